@@ -1,0 +1,206 @@
+"""Node and checkpoint lifecycles, written once as data.
+
+The transition lists below are the single source of truth. At import they are
+built into flat `transitions.Machine`s (one per lifecycle; used for rendering
+diagrams and to cross-check), and from those machines we derive an O(1)
+``(trigger, state) -> state`` table. The cache's hot path calls `Lifecycle.step`,
+a dict lookup, never a `transitions` object per node.
+
+Flat machines on purpose: with a hierarchical machine a transition declared on a
+parent state would also fire from `pinned`, which is exactly the bug class this
+project exists to rule out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from transitions import Machine
+
+from spec.errors import IllegalTransition
+
+
+class NodeState(str, Enum):
+    """Lifecycle state of a trie node (one full KV block of one prefix)."""
+
+    CACHED = "cached"
+    """Attached, and a sequence shares its block or it has children."""
+    EVICTABLE = "evictable"
+    """Attached leaf, only the trie holds its block, its checkpoint (if any) is unpinned."""
+    PINNED = "pinned"
+    """Attached and its checkpoint holds at least one pin. Never evicted."""
+    FREED = "freed"
+    """Detached, block returned, checkpoint released. Terminal."""
+
+
+class CheckpointState(str, Enum):
+    """Lifecycle state of an SSM checkpoint (a slot in the state pool)."""
+
+    ABSENT = "absent"
+    """No slot held (never reserved, or released / replaced / evicted)."""
+    RESERVED = "reserved"
+    """Slot held, data not yet queued; not matchable."""
+    PUBLISHED = "published"
+    """Matchable; no pins; may be released, replaced or evicted."""
+    PINNED = "pinned"
+    """Matchable; at least one pin (an in-flight copy or an explicit receipt)."""
+
+
+# (trigger, sources, destination) -- the whole node lifecycle.
+NODE_TRANSITIONS: tuple[tuple[str, tuple[NodeState, ...], NodeState], ...] = (
+    ("idle", (NodeState.CACHED,), NodeState.EVICTABLE),
+    ("share", (NodeState.EVICTABLE,), NodeState.CACHED),
+    ("pin", (NodeState.CACHED, NodeState.EVICTABLE), NodeState.PINNED),
+    ("unpin", (NodeState.PINNED,), NodeState.CACHED),
+    ("free", (NodeState.EVICTABLE,), NodeState.FREED),
+)
+
+# (trigger, sources, destination) -- the whole checkpoint lifecycle.
+CHECKPOINT_TRANSITIONS: tuple[tuple[str, tuple[CheckpointState, ...], CheckpointState], ...] = (
+    ("reserve", (CheckpointState.ABSENT,), CheckpointState.RESERVED),
+    ("publish", (CheckpointState.RESERVED,), CheckpointState.PUBLISHED),
+    ("pin", (CheckpointState.PUBLISHED, CheckpointState.PINNED), CheckpointState.PINNED),
+    ("unpin", (CheckpointState.PINNED,), CheckpointState.PINNED),
+    ("unpin_last", (CheckpointState.PINNED,), CheckpointState.PUBLISHED),
+    ("release", (CheckpointState.RESERVED, CheckpointState.PUBLISHED), CheckpointState.ABSENT),
+    ("replace", (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
+    ("evict", (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
+)
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """One lifecycle: its states, its transitions, the machine, and the derived tables."""
+
+    name: str
+    states: tuple[str, ...]
+    initial: str
+    transitions: tuple[tuple[str, tuple[str, ...], str], ...]
+    table: dict[tuple[str, str], str] = field(default_factory=dict)
+    routes: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        """Every trigger name, in declaration order."""
+        return tuple(dict.fromkeys(t for t, _, _ in self.transitions))
+
+    def machine(self, model: object | None = None, *, graph: bool = False) -> Machine:
+        """A fresh flat `transitions` machine for this lifecycle (no auto transitions)."""
+        kwargs: dict[str, object] = {
+            "states": list(self.states),
+            "transitions": [
+                {"trigger": t, "source": list(src), "dest": dst} for t, src, dst in self.transitions
+            ],
+            "initial": self.initial,
+            "auto_transitions": False,
+        }
+        if model is not None:
+            kwargs["model"] = model
+        if graph:
+            from transitions.extensions import GraphMachine
+
+            return GraphMachine(graph_engine="mermaid", title=f"{self.name} lifecycle", **kwargs)
+        return Machine(**kwargs)
+
+    def can(self, trigger: str, state: str) -> bool:
+        """Whether `trigger` may fire from `state`."""
+        return (trigger, state) in self.table
+
+    def step(self, trigger: str, state: str, subject: str = "") -> str:
+        """The state after `trigger` fires from `state`; raises `IllegalTransition` if it can't."""
+        try:
+            return self.table[(trigger, state)]
+        except KeyError:
+            raise IllegalTransition(self.name, trigger, str(state), subject) from None
+
+    def route(self, source: str, dest: str, subject: str = "") -> tuple[str, ...]:
+        """Shortest trigger sequence from `source` to `dest` (empty when equal)."""
+        try:
+            return self.routes[(source, dest)]
+        except KeyError:
+            raise IllegalTransition(self.name, f"-> {dest}", str(source), subject) from None
+
+
+def _derive_table(machine: Machine, states: Iterable[str], triggers: Iterable[str]) -> dict[
+    tuple[str, str], str
+]:
+    table: dict[tuple[str, str], str] = {}
+    for trigger in triggers:
+        event = machine.events[trigger]
+        for state in states:
+            candidates = event.transitions.get(state, [])
+            if candidates:
+                table[(trigger, state)] = candidates[0].dest
+    return table
+
+
+def _derive_routes(
+    states: Sequence[str], table: dict[tuple[str, str], str]
+) -> dict[tuple[str, str], tuple[str, ...]]:
+    routes: dict[tuple[str, str], tuple[str, ...]] = {}
+    for source in states:
+        routes[(source, source)] = ()
+        queue: deque[str] = deque([source])
+        while queue:
+            here = queue.popleft()
+            for (trigger, state), dest in table.items():
+                if state == here and (source, dest) not in routes:
+                    routes[(source, dest)] = (*routes[(source, here)], trigger)
+                    queue.append(dest)
+    return routes
+
+
+def _name(state: str) -> str:
+    return state.value if isinstance(state, Enum) else state
+
+
+def _build(
+    name: str,
+    states: Sequence[str],
+    initial: str,
+    transitions: Sequence[tuple[str, Sequence[str], str]],
+) -> Lifecycle:
+    flat = tuple((t, tuple(_name(s) for s in src), _name(dst)) for t, src, dst in transitions)
+    life = Lifecycle(name, tuple(_name(s) for s in states), _name(initial), flat)
+    machine = life.machine()
+    table = _derive_table(machine, life.states, life.triggers)
+    life.table.update(table)
+    life.routes.update(_derive_routes(life.states, table))
+    return life
+
+
+NODE = _build("node", [s.value for s in NodeState], NodeState.CACHED.value, NODE_TRANSITIONS)
+CHECKPOINT = _build(
+    "checkpoint",
+    [s.value for s in CheckpointState],
+    CheckpointState.ABSENT.value,
+    CHECKPOINT_TRANSITIONS,
+)
+LIFECYCLES: tuple[Lifecycle, ...] = (NODE, CHECKPOINT)
+
+
+def implied_node_state(*, attached: bool, leaf: bool, block_refs: int, pins: int) -> NodeState:
+    """The node state that the facts imply (DESIGN.md, "Lifecycles").
+
+    `block_refs` is the node's KV block reference count (the trie's own reference
+    included); `pins` is its checkpoint's pin count (0 without a checkpoint).
+    """
+    if not attached:
+        return NodeState.FREED
+    if pins > 0:
+        return NodeState.PINNED
+    if leaf and block_refs == 1:
+        return NodeState.EVICTABLE
+    return NodeState.CACHED
+
+
+def implied_checkpoint_state(*, present: bool, published: bool, pins: int) -> CheckpointState:
+    """The checkpoint state that the facts imply."""
+    if not present:
+        return CheckpointState.ABSENT
+    if pins > 0:
+        return CheckpointState.PINNED
+    return CheckpointState.PUBLISHED if published else CheckpointState.RESERVED

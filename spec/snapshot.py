@@ -1,0 +1,153 @@
+"""The neutral snapshot: plain dicts and tuples that both the reference model
+(`spec.model.ReferenceCache.snapshot`) and the real cache (`cache.BlockTrie.snapshot`)
+produce, so that the invariants in `spec.invariants` run over either, and
+`observe` reduces either to an id-free view the differential tests compare.
+
+Ids (block ids, node ids, slot ids, ...) are each implementation's own; only
+`observe` output is comparable across implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, TypedDict
+
+
+class NodeView(TypedDict):
+    """One trie node. Roots have depth 0, `block` None, `parent` None, `key` None."""
+
+    namespace: str
+    parent: int | None
+    depth: int
+    key: tuple[tuple[int, ...], Hashable] | None  # (block tokens, block extra identity)
+    block: int | None
+    children: list[int]
+    state: str  # stored lifecycle state ("cached", "evictable", "pinned"); roots: "root"
+    tick: int
+    serial: int
+    checkpoint: int | None
+
+
+class CheckpointView(TypedDict):
+    """One live checkpoint (absent ones are not listed)."""
+
+    anchor: int  # node id (a root for anchor 0)
+    step: int
+    tail: tuple[int, ...]
+    tail_extra: Hashable
+    slot: int
+    frozen_block: int | None
+    pins: int  # the stored pin count
+    state: str  # stored lifecycle state
+    tick: int
+    serial: int
+
+
+class SequenceView(TypedDict):
+    """One live sequence."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    extra: tuple[Hashable, ...] | None
+    blocks: list[int]
+    path: list[int]  # node ids of its committed/matched blocks, root excluded
+    num_cached_tokens: int
+    num_committed_tokens: int
+    restore_checkpoint: int | None  # checkpoint id of seq.restore
+    holds_match_pin: bool
+
+
+class CopyView(TypedDict):
+    """One copy not yet reaped."""
+
+    kind: str  # "save" | "restore"
+    blocks: list[int]  # block references it holds
+    pins: list[int]  # checkpoint ids it holds one receipt on, each
+    done: bool
+
+
+class Snapshot(TypedDict):
+    """The whole cache, as plain data."""
+
+    block_size: int
+    capacity: int
+    free_blocks: list[int]
+    refcounts: dict[int, int]  # every block id -> its stored reference count
+    slot_capacity: int
+    free_slots: list[int]
+    roots: dict[str, int]
+    nodes: dict[int, NodeView]
+    checkpoints: dict[int, CheckpointView]
+    sequences: dict[int, SequenceView]
+    copies: dict[int, CopyView]
+    explicit_pins: list[int]  # checkpoint id of each outstanding explicit receipt
+    evictable_index: list[int]  # node ids, in eviction order
+    checkpoint_index: list[int]  # checkpoint ids, in eviction order
+    event_blocks: set[int] | None  # blocks cached according to the emitted events
+    stats: dict[str, Any]
+
+
+def node_path(snap: Snapshot, node_id: int) -> tuple[str, tuple[Any, ...]]:
+    """(namespace, keys from the root down to the node): an id-free name for a node."""
+    keys: list[Any] = []
+    node = snap["nodes"][node_id]
+    while node["parent"] is not None:
+        keys.append(node["key"])
+        node = snap["nodes"][node["parent"]]
+    keys.reverse()
+    return node["namespace"], tuple(keys)
+
+
+def observe(snap: Snapshot) -> dict[str, Any]:
+    """An id-free view of a snapshot: what two implementations must agree on."""
+    nodes = snap["nodes"]
+    named = {nid: node_path(snap, nid) for nid in nodes}
+    checkpoints = {
+        (named[c["anchor"]], c["step"], c["tail"], c["tail_extra"]): (c["state"], c["pins"])
+        for c in snap["checkpoints"].values()
+    }
+    return {
+        "free_blocks": len(snap["free_blocks"]),
+        "cached_blocks": sum(1 for n in nodes.values() if n["parent"] is not None),
+        "free_slots": len(snap["free_slots"]),
+        "nodes": {
+            named[nid]: n["state"] for nid, n in nodes.items() if n["parent"] is not None
+        },
+        "checkpoints": checkpoints,
+        "evictable_order": [named[nid] for nid in snap["evictable_index"]],
+        "checkpoint_order": [
+            (named[snap["checkpoints"][c]["anchor"]], snap["checkpoints"][c]["step"])
+            for c in snap["checkpoint_index"]
+        ],
+        "sequences": sorted(
+            (
+                s["namespace"],
+                s["tokens"],
+                len(s["blocks"]),
+                s["num_cached_tokens"],
+                s["num_committed_tokens"],
+                tuple(named[p] for p in s["path"]),
+                s["holds_match_pin"],
+            )
+            for s in snap["sequences"].values()
+        ),
+        "copies": sorted((c["kind"], len(c["blocks"]), len(c["pins"]), c["done"])
+                         for c in snap["copies"].values()),
+        "stats": dict(snap["stats"]),
+    }
+
+
+STAT_COUNTERS: tuple[str, ...] = (
+    "queries",  # match calls (abort subtracts)
+    "query_tokens",  # tokens passed to match
+    "hit_tokens",  # num_cached_tokens summed over matches
+    "checkpoint_hits",  # matches that hit an SSM checkpoint
+    "evicted_blocks",  # KV blocks freed by eviction (node blocks + frozen tails)
+    "evicted_checkpoints",  # released by any eviction: evict_checkpoints, save, KV evict
+    "checkpoints_saved",  # saves that queued a copy
+    "checkpoints_skipped",  # saves skipped: no slot / no frozen block / pinned anchor
+    "checkpoints_deduplicated",  # saves skipped: the same checkpoint already exists
+    "restores",  # restore copies queued
+    "copies_reaped",  # copies whose pins and references were released
+)
+"""The counters every implementation keeps, under these names, in `stats`."""
