@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from transitions import Machine
 
@@ -89,7 +90,7 @@ class Lifecycle:
 
     def machine(self, model: object | None = None, *, graph: bool = False) -> Machine:
         """A fresh flat `transitions` machine for this lifecycle (no auto transitions)."""
-        kwargs: dict[str, object] = {
+        kwargs: dict[str, Any] = {
             "states": list(self.states),
             "transitions": [
                 {"trigger": t, "source": list(src), "dest": dst} for t, src, dst in self.transitions
@@ -124,16 +125,16 @@ class Lifecycle:
             raise IllegalTransition(self.name, f"-> {dest}", str(source), subject) from None
 
 
-def _derive_table(machine: Machine, states: Iterable[str], triggers: Iterable[str]) -> dict[
-    tuple[str, str], str
-]:
+def _derive_table(
+    machine: Machine, states: Iterable[str], triggers: Iterable[str]
+) -> dict[tuple[str, str], str]:
     table: dict[tuple[str, str], str] = {}
     for trigger in triggers:
         event = machine.events[trigger]
         for state in states:
             candidates = event.transitions.get(state, [])
             if candidates:
-                table[(trigger, state)] = candidates[0].dest
+                table[(trigger, state)] = str(candidates[0].dest)
     return table
 
 

@@ -110,9 +110,7 @@ def observe(snap: Snapshot) -> dict[str, Any]:
         "free_blocks": len(snap["free_blocks"]),
         "cached_blocks": sum(1 for n in nodes.values() if n["parent"] is not None),
         "free_slots": len(snap["free_slots"]),
-        "nodes": {
-            named[nid]: n["state"] for nid, n in nodes.items() if n["parent"] is not None
-        },
+        "nodes": {named[nid]: n["state"] for nid, n in nodes.items() if n["parent"] is not None},
         "checkpoints": checkpoints,
         "evictable_order": [named[nid] for nid in snap["evictable_index"]],
         "checkpoint_order": [
@@ -131,8 +129,10 @@ def observe(snap: Snapshot) -> dict[str, Any]:
             )
             for s in snap["sequences"].values()
         ),
-        "copies": sorted((c["kind"], len(c["blocks"]), len(c["pins"]), c["done"])
-                         for c in snap["copies"].values()),
+        "copies": sorted(
+            (c["kind"], len(c["blocks"]), len(c["pins"]), c["done"])
+            for c in snap["copies"].values()
+        ),
         "stats": dict(snap["stats"]),
     }
 

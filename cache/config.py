@@ -1,0 +1,111 @@
+"""`CacheConfig`: everything a `BlockTrie` is built from, validated once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spec.errors import ConfigError
+
+KeyHash = Callable[[Hashable], int]
+"""Hash used to narrow a child lookup; exact key comparison always decides."""
+
+
+def _positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
+    if type(value) is not int:
+        raise ConfigError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"CacheConfig.{name} must be {bound}, got {value}")
+    return value
+
+
+def _shape(name: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d > 0 for d in value):
+        raise ConfigError(f"CacheConfig.{name} must be a tuple of positive ints, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes, layouts and devices of a `BlockTrie` (see DESIGN.md, "Public API").
+
+    - `block_size`: tokens per KV block; only full blocks enter the trie.
+    - `num_blocks`: KV blocks in the pool.
+    - `kv_block_shape`: per-block storage shape, or None for an ids-only pool.
+    - `num_checkpoint_slots`: SSM checkpoint slots; 0 for attention-only models.
+    - `state_shapes`: per named SSM state, the shape of one sequence's state.
+      Empty with slots > 0 gives an ids-only state pool (capacity planning).
+    - `device`: where the pools live ("cpu", "cuda", "cuda:1", a torch.device).
+    - `enable_events`: emit BlockStored / BlockRemoved / AllBlocksCleared.
+    - `key_hash`: testing hook; replaces the hash of every block key (a
+      degenerate one makes every lookup collide; results must not change).
+    """
+
+    block_size: int
+    num_blocks: int
+    kv_block_shape: tuple[int, ...] | None = None
+    kv_dtype: torch.dtype = torch.float16
+    num_checkpoint_slots: int = 0
+    state_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    state_dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+    enable_events: bool = True
+    key_hash: KeyHash | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_blocks", self.num_blocks)
+        _positive_int("num_checkpoint_slots", self.num_checkpoint_slots, allow_zero=True)
+        if self.kv_block_shape is not None:
+            object.__setattr__(
+                self, "kv_block_shape", _shape("kv_block_shape", self.kv_block_shape)
+            )
+        if not isinstance(self.state_shapes, Mapping):
+            raise ConfigError("CacheConfig.state_shapes must be a mapping of name -> shape")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.state_shapes.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"CacheConfig.state_shapes: state name {name!r} is not a str")
+            shapes[name] = _shape(f"state_shapes[{name!r}]", shape)
+        object.__setattr__(self, "state_shapes", shapes)
+        for name in ("kv_dtype", "state_dtype"):
+            if not isinstance(getattr(self, name), torch.dtype):
+                raise ConfigError(f"CacheConfig.{name} must be a torch.dtype")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(
+                f"CacheConfig.device {self.device!r} is not a device: {exc}"
+            ) from None
+        if self.key_hash is not None and not callable(self.key_hash):
+            raise ConfigError("CacheConfig.key_hash must be callable or None")
+
+    @property
+    def ssm(self) -> bool:
+        """Whether SSM checkpoints are enabled."""
+        return self.num_checkpoint_slots > 0
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block (0 for an ids-only pool)."""
+        if self.kv_block_shape is None:
+            return 0
+        return _numel(self.kv_block_shape) * _itemsize(self.kv_dtype)
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one checkpoint slot across all named states."""
+        return sum(_numel(s) for s in self.state_shapes.values()) * _itemsize(self.state_dtype)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: Any) -> int:
+    return int(torch.empty((), dtype=dtype).element_size())

@@ -1,0 +1,197 @@
+"""The copy engine: checkpoint save / restore copies and when they finish.
+
+A `Copy` is a list of tensor moves (source -> destination) plus what keeps its
+source and destination alive: pin receipts on checkpoints and references on KV
+blocks. The trie releases those only when the copy has finished and is reaped
+(`BlockTrie.poll`, or at once for a copy that finished when queued).
+
+- `DeviceCopies` (the default): on CPU a copy runs when queued; on CUDA it is
+  queued on a side stream that first waits for the current stream, an event is
+  recorded after it, and it finishes when that event has (polled with
+  `Event.query`, never a device synchronisation).
+- `ManualCopies`: for tests. A queued copy moves its data only when the test
+  completes it, as a late GPU copy would. Completing a copy first completes
+  every earlier pending copy that touches one of its blocks or slots (a stream
+  runs in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from spec.errors import CacheError, InvalidType
+
+if TYPE_CHECKING:
+    from cache.sequence import PinReceipt
+
+Resource = tuple[str, int]
+"""("block", id) or ("slot", id): what a copy touches, for ordering."""
+
+
+class Copy:
+    """One queued copy. `kind` is "save" or "restore"; `step` the checkpoint's step.
+
+    `done` says whether its data has moved; `wait()` makes the caller's work
+    wait for it (completes it under `ManualCopies`, makes the current CUDA
+    stream wait on its event, returns at once on CPU).
+    """
+
+    __slots__ = (
+        "_engine",
+        "_event",
+        "_finished",
+        "blocks",
+        "kind",
+        "moves",
+        "receipts",
+        "resources",
+        "serial",
+        "step",
+    )
+
+    def __init__(
+        self,
+        kind: str,
+        step: int,
+        moves: list[tuple[torch.Tensor, torch.Tensor]],
+        resources: Iterable[Resource],
+        serial: int,
+    ) -> None:
+        self.kind = kind
+        self.step = step
+        self.moves = moves
+        self.resources = frozenset(resources)
+        self.serial = serial
+        self.receipts: list[PinReceipt] = []
+        self.blocks: list[int] = []
+        self._finished = False
+        self._event: torch.cuda.Event | None = None
+        self._engine: CopyEngine | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the copy's data has moved."""
+        if not self._finished and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
+            self._finished = True
+        return self._finished
+
+    def wait(self) -> None:
+        """Order the caller's later work after this copy (see class docstring)."""
+        if self._engine is not None:
+            self._engine.wait(self)
+
+    def run(self) -> None:
+        """Move the data now, on the current stream."""
+        for src, dst in self.moves:
+            dst.copy_(src, non_blocking=True)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "pending"
+        return f"<Copy #{self.serial} {self.kind} step={self.step} {state}>"
+
+
+class CopyEngine:
+    """Queues copies and reports which have finished. Subclasses decide when."""
+
+    def __init__(self) -> None:
+        self._inflight: list[Copy] = []
+
+    def bind(self, device: torch.device) -> None:
+        """Called once by the trie with its pools' device."""
+
+    def queue(self, copy: Copy) -> None:
+        """Start `copy` (it may finish at once)."""
+        copy._engine = self
+        self._inflight.append(copy)
+        self._start(copy)
+
+    def _start(self, copy: Copy) -> None:
+        raise NotImplementedError
+
+    def wait(self, copy: Copy) -> None:
+        """Make the caller's later work wait for `copy`."""
+
+    def collect(self) -> list[Copy]:
+        """Remove and return the finished copies, oldest first."""
+        finished = [c for c in self._inflight if c.done]
+        if finished:
+            self._inflight = [c for c in self._inflight if not c.done]
+        return finished
+
+    def forget(self, copy: Copy) -> None:
+        """Stop tracking a copy the trie reaped itself (it finished when queued)."""
+        if self._inflight and self._inflight[-1] is copy:
+            self._inflight.pop()
+        elif copy in self._inflight:
+            self._inflight.remove(copy)
+
+
+class DeviceCopies(CopyEngine):
+    """Copies on the pools' device: synchronous on CPU, a side stream on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stream: torch.cuda.Stream | None = None
+
+    def bind(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def _start(self, copy: Copy) -> None:
+        stream = self._stream
+        if stream is None:
+            copy.run()
+            copy._finished = True
+            return
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            copy.run()
+            for src, dst in copy.moves:
+                # The engine's runtime tensors are used on our stream too.
+                src.record_stream(stream)
+                dst.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        copy._event = event
+
+    def wait(self, copy: Copy) -> None:
+        if copy._event is not None:
+            torch.cuda.current_stream().wait_event(copy._event)
+
+
+class ManualCopies(CopyEngine):
+    """Copies that move their data only when the test completes them."""
+
+    def _start(self, copy: Copy) -> None:
+        pass
+
+    def pending(self) -> list[Copy]:
+        """Queued copies not yet completed, oldest first."""
+        return [c for c in self._inflight if not c._finished]
+
+    def complete(self, copy: Copy) -> None:
+        """Move `copy`'s data now (after the earlier pending copies it depends on)."""
+        if not isinstance(copy, Copy):
+            raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
+        if copy._engine is not self:
+            raise CacheError(f"{copy!r} was not queued on this ManualCopies")
+        if copy._finished:
+            return
+        for earlier in self._inflight:
+            if earlier is copy:
+                break
+            if not earlier._finished and earlier.resources & copy.resources:
+                self.complete(earlier)
+        copy.run()
+        copy._finished = True
+
+    def complete_all(self) -> None:
+        """Complete every pending copy, oldest first."""
+        for copy in self.pending():
+            self.complete(copy)
+
+    def wait(self, copy: Copy) -> None:
+        self.complete(copy)

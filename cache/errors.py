@@ -1,0 +1,31 @@
+"""The error hierarchy (defined in `spec.errors`, shared with the reference model)."""
+
+from spec.errors import (
+    AllocationFailed,
+    CacheError,
+    CheckpointError,
+    ConfigError,
+    IllegalTransition,
+    InvalidArgument,
+    InvalidType,
+    InvariantViolation,
+    OutOfBlocks,
+    OutOfStateSlots,
+    PinError,
+    SequenceNotLive,
+)
+
+__all__ = [
+    "AllocationFailed",
+    "CacheError",
+    "CheckpointError",
+    "ConfigError",
+    "IllegalTransition",
+    "InvalidArgument",
+    "InvalidType",
+    "InvariantViolation",
+    "OutOfBlocks",
+    "OutOfStateSlots",
+    "PinError",
+    "SequenceNotLive",
+]

@@ -1,0 +1,83 @@
+"""The KV block pool: storage, reference counts and the free list."""
+
+from __future__ import annotations
+
+import torch
+
+from cache.faults import Faults
+from spec.errors import CacheError, OutOfBlocks
+
+
+class KVBlockPool:
+    """Owns `num_blocks` KV blocks: a tensor `[num_blocks, *shape]` (or ids only).
+
+    Contract: a block is free iff its reference count is 0, and then it is in
+    the free list exactly once. `take` hands out blocks with count 1;
+    `incref`/`decref` move counts; a decref to 0 returns the block to the free
+    list. Driving a count below zero, or referencing a free block, raises
+    `CacheError` and changes nothing.
+    """
+
+    __slots__ = ("_faults", "_free", "capacity", "refs", "tensor")
+
+    def __init__(
+        self,
+        num_blocks: int,
+        shape: tuple[int, ...] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        faults: Faults,
+    ) -> None:
+        self.capacity = num_blocks
+        self.tensor: torch.Tensor | None = (
+            None if shape is None else torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
+        )
+        self.refs: list[int] = [0] * num_blocks
+        # A stack: the lowest ids are handed out first on a fresh pool.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._faults = faults
+
+    @property
+    def num_free(self) -> int:
+        """Blocks in the free list."""
+        return len(self._free)
+
+    def free_ids(self) -> list[int]:
+        """The free list (a copy), next to be taken last."""
+        return list(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """Take `n` free blocks with reference count 1; all or nothing."""
+        self._faults.check("kv.take")
+        if n > len(self._free):
+            raise OutOfBlocks(f"KV pool: {n} blocks wanted, {len(self._free)} free")
+        free = self._free
+        taken = free[len(free) - n :]
+        del free[len(free) - n :]
+        taken.reverse()
+        refs = self.refs
+        for b in taken:
+            refs[b] = 1
+        return taken
+
+    def incref(self, block: int) -> None:
+        """Add one reference to a block that is in use."""
+        if self.refs[block] <= 0:
+            raise CacheError(f"KV pool: block {block} is free; cannot take a reference to it")
+        self.refs[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """Drop one reference; returns True when the block became free."""
+        count = self.refs[block]
+        if count <= 0:
+            raise CacheError(f"KV pool: block {block} is already free (double free)")
+        count -= 1
+        self.refs[block] = count
+        if count == 0:
+            self._free.append(block)
+            return True
+        return False
+
+    def view(self, block: int) -> torch.Tensor | None:
+        """The storage of one block (None for an ids-only pool)."""
+        return None if self.tensor is None else self.tensor[block]

@@ -1,0 +1,145 @@
+"""Trie nodes and the checkpoints they anchor: plain slotted records.
+
+The trie (`cache.trie`) owns every mutation; these classes hold state only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+
+class Node:
+    """One full KV block of one prefix, or a namespace root (`block == -1`).
+
+    `key` is what the parent's `children` dict is keyed by: the block's token
+    tuple, or `(tokens, extra)` when the block has an extra identity (wrapped
+    by `HashedKey` when a test injects a key hash). `state` is the stored
+    lifecycle state (`spec.lifecycle.NodeState` values; "root" for roots).
+    `tick`/`serial` order eviction; `block_hash` is the chained hash that
+    events carry.
+    """
+
+    __slots__ = (
+        "block",
+        "block_hash",
+        "checkpoint",
+        "children",
+        "depth",
+        "extra",
+        "key",
+        "namespace",
+        "parent",
+        "serial",
+        "state",
+        "tick",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        parent: Node | None,
+        key: Hashable,
+        tokens: tuple[int, ...],
+        extra: Hashable,
+        block: int,
+        namespace: str,
+        depth: int,
+        serial: int,
+        tick: int,
+        block_hash: int,
+        state: str,
+    ) -> None:
+        self.parent = parent
+        self.key = key
+        self.tokens = tokens
+        self.extra = extra
+        self.block = block
+        self.namespace = namespace
+        self.depth = depth
+        self.serial = serial
+        self.tick = tick
+        self.block_hash = block_hash
+        self.state = state
+        self.children: dict[Hashable, Node] = {}
+        self.checkpoint: Checkpoint | None = None
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is a namespace root (never evicted, owns no block)."""
+        return self.parent is None and self.block < 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<Node #{self.serial} ns={self.namespace!r} depth={self.depth} "
+            f"block={self.block} {self.state}>"
+        )
+
+
+class Checkpoint:
+    """An SSM state snapshot after exactly `step` tokens, anchored at `anchor`.
+
+    `tail`/`tail_extra` are the tokens and identity of the partial block past
+    the anchor (empty / None for a block-aligned step); `frozen_block` holds a
+    private copy of that partial block. `pins` counts outstanding receipts.
+    """
+
+    __slots__ = (
+        "anchor",
+        "frozen_block",
+        "pins",
+        "serial",
+        "slot",
+        "state",
+        "step",
+        "tail",
+        "tail_extra",
+        "tick",
+    )
+
+    def __init__(
+        self,
+        anchor: Node,
+        step: int,
+        tail: tuple[int, ...],
+        tail_extra: Hashable,
+        slot: int,
+        frozen_block: int | None,
+        serial: int,
+        tick: int,
+        state: str,
+    ) -> None:
+        self.anchor = anchor
+        self.step = step
+        self.tail = tail
+        self.tail_extra = tail_extra
+        self.slot = slot
+        self.frozen_block = frozen_block
+        self.serial = serial
+        self.tick = tick
+        self.state = state
+        self.pins = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<Checkpoint #{self.serial} step={self.step} slot={self.slot} "
+            f"{self.state} pins={self.pins}>"
+        )
+
+
+class HashedKey:
+    """A block key with an injected hash (testing hook `CacheConfig.key_hash`).
+
+    Equality is exact on the wrapped key, so collisions only narrow.
+    """
+
+    __slots__ = ("_hash", "inner")
+
+    def __init__(self, inner: Hashable, hash_value: int) -> None:
+        self.inner = inner
+        self._hash = hash_value
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HashedKey) and self.inner == other.inner

@@ -1,0 +1,127 @@
+"""A request's view of the cache, its restore point, and pin receipts."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cache.node import Checkpoint, Node
+
+
+class RestorePoint:
+    """What a match found to restore from: the checkpoint after `step` tokens."""
+
+    __slots__ = ("checkpoint", "step")
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self.step = checkpoint.step
+
+    @property
+    def partial(self) -> bool:
+        """Whether the step is inside a block (a frozen tail is restored too)."""
+        return bool(self.checkpoint.tail)
+
+    def __repr__(self) -> str:
+        return f"<RestorePoint step={self.step}>"
+
+
+class PinReceipt:
+    """A single-use receipt for one pin on one checkpoint (`BlockTrie.unpin`)."""
+
+    __slots__ = ("checkpoint", "owner", "used")
+
+    def __init__(self, owner: object, checkpoint: Checkpoint) -> None:
+        self.owner = owner
+        self.checkpoint = checkpoint
+        self.used = False
+
+    @property
+    def step(self) -> int:
+        """The pinned checkpoint's step."""
+        return self.checkpoint.step
+
+    def __repr__(self) -> str:
+        return f"<PinReceipt step={self.checkpoint.step}{' used' if self.used else ''}>"
+
+
+class Sequence:
+    """One request: its tokens, block table, cache hit and what it holds.
+
+    Read-only to users; every change goes through the `BlockTrie` that made it.
+
+    - `tokens`: the token ids so far (prompt, then appended decode tokens).
+    - `num_cached_tokens`: how many leading tokens the match served.
+    - `block_ids`: the block table; covers the first `len(block_ids) * B` tokens.
+    - `restore`: None, or the `RestorePoint` to restore SSM state from.
+    - `branch_step`: where the request leaves the cached KV path.
+    - `num_committed_tokens`: tokens whose KV is committed.
+    """
+
+    __slots__ = (
+        "_tokens_view",
+        "blocks",
+        "branch_step",
+        "extra",
+        "live",
+        "match_receipt",
+        "namespace",
+        "num_cached_tokens",
+        "num_committed_tokens",
+        "owner",
+        "path",
+        "query_tokens",
+        "restore",
+        "restored",
+        "serial",
+        "token_list",
+    )
+
+    def __init__(
+        self,
+        owner: object,
+        serial: int,
+        tokens: list[int],
+        namespace: str,
+        extra: tuple[Hashable, ...] | None,
+    ) -> None:
+        self.owner = owner
+        self.serial = serial
+        self.token_list = tokens
+        self._tokens_view: tuple[int, ...] | None = None
+        self.namespace = namespace
+        self.extra = extra
+        self.blocks: list[int] = []
+        self.path: list[Node] = []
+        self.num_cached_tokens = 0
+        self.num_committed_tokens = 0
+        self.query_tokens = 0
+        self.branch_step = 0
+        self.restore: RestorePoint | None = None
+        self.match_receipt: PinReceipt | None = None
+        self.restored = False
+        self.live = True
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The sequence's token ids."""
+        view = self._tokens_view
+        if view is None or len(view) != len(self.token_list):
+            view = self._tokens_view = tuple(self.token_list)
+        return view
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The block table: block ids covering the leading tokens."""
+        return tuple(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.token_list)
+
+    def __repr__(self) -> str:
+        status = "live" if self.live else "done"
+        return (
+            f"<Sequence #{self.serial} {status} tokens={len(self.token_list)} "
+            f"cached={self.num_cached_tokens} blocks={len(self.blocks)}>"
+        )

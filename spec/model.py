@@ -1,0 +1,953 @@
+"""The naive reference model of the whole cache: slow, tiny and obviously right.
+
+`ReferenceCache` follows `docs/semantics.md` step for step, with plain Python
+objects and linear scans everywhere. It never imports torch or `cache`; the
+runtime state (tensors) is not modelled, only ids, counts, pins and order.
+
+How it is kept obviously right:
+
+* Nothing that can be derived is stored. A block's reference count is
+  recomputed from its holders every time it is needed (attached node + block
+  table entries of live sequences + frozen tail of a live checkpoint + block
+  references of unreaped copies); the free list is "every block whose count is
+  0", the free slots are "every slot no live checkpoint uses", a checkpoint's
+  pin count is "match pins of live sequences + pins of unreaped copies +
+  outstanding explicit receipts", and every lifecycle state is the one
+  `spec.lifecycle` implies from those facts.
+* The eviction index is "all evictable nodes sorted by (tick, serial)",
+  rebuilt on every step of an eviction; the checkpoint index is "all
+  published checkpoints sorted by (tick, serial)".
+* `reclaimable` (for `OutOfBlocks` and save rule 5) is computed by running the
+  real eviction loop to exhaustion on a deep copy of the model.
+* Every public operation validates all of its input first and decides
+  whether it can succeed before it changes anything.
+
+Choices
+-------
+Where `docs/semantics.md` is silent the model does the following; the cache
+must do the same for the differential test to agree.
+
+1. Validation order: arguments in signature order; for each argument its type
+   (`InvalidType`) first, then, for a sequence, liveness (`SequenceNotLive`),
+   then its value rule (`InvalidArgument`); then the operation's rules in the
+   order of the table in semantics.md; resource failures (`OutOfBlocks`) last.
+   For a token list: container type, then every element's type (`int`, not
+   `bool`), then every element `>= 0`, then (match only) non-empty.
+2. A sequence of another cache raises `SequenceNotLive`; a receipt of another
+   cache raises `PinError`; `complete()` with a copy of another cache raises
+   `InvalidArgument`, with a non-copy `InvalidType`.
+3. `append(seq, [])` is allowed and changes nothing (after validation).
+4. An `extra` element is hashable when `hash(x)` succeeds; identities (and
+   checkpoint tail identities) are compared with `==`, so `1`, `True` and
+   `1.0` are the same identity. `extra=None` and `extra=(None, ...)` are the
+   same identities. `seq.extra` is stored as a tuple (or None).
+5. Roots are created by the first `match` in their namespace (after
+   validation) and never removed (`abort` keeps them). They have tick 0, draw
+   a serial from the node counter (irrelevant to eviction order: roots are
+   never evicted), and state "root". A checkpoint anchored at a root
+   (anchor 0) can be released by `evict_checkpoints` and save rule 4, never by
+   KV eviction.
+6. Fresh blocks and slots are the lowest free ids; the snapshot lists free
+   blocks and free slots in ascending order.
+7. Save rule 3 (replacing an unpinned checkpoint on the same anchor) is a
+   *replace*, not an eviction: it counts in neither `evicted_checkpoints` nor
+   `evicted_blocks`. The new checkpoint is a new object (new serial). When the
+   old one is partial and the new one aligned, the old frozen block is freed;
+   when the old one is aligned and the new one partial, a frozen block is
+   obtained as in rule 5.
+8. Frozen tail blocks freed by `evict_checkpoints` (and by save rule 4's
+   checkpoint eviction) are not counted in `evicted_blocks`; only KV
+   eviction (`evict`, and the evictions inside `allocate`, `restore` and save
+   rule 5) counts blocks, node blocks plus frozen tails, as the actual growth
+   of the free list.
+9. Save: the feasibility of rules 4 and 5 is checked first (on the unchanged
+   state); then rule 4 takes its slot (a free slot, else evicting the LRU
+   published checkpoint), and only then rule 5 takes a frozen block (a free
+   block, else KV eviction as in `evict(1)`). So a frozen block freed by rule
+   4's checkpoint eviction is used before any KV node is evicted, but it does
+   not make an otherwise infeasible rule 5 feasible.
+10. A save or restore copy of an aligned checkpoint holds no block reference;
+    of a partial one, one reference on `seq.block_ids[d]` (d = step // B), the
+    entry present when the copy is queued. A restore of a partial checkpoint
+    whose sequence already has more than `d` block-table entries uses entry
+    `d` as it is (no allocation).
+11. The resources a copy *touches* (for `complete`'s ordering): its slot, its
+    checkpoint's frozen block (if any) and the sequence block `d` (if any).
+    `complete(copy)` is transitive: each earlier pending copy that shares a
+    resource is completed first, together with its own earlier dependencies,
+    oldest first. Completing a copy that is already done (or reaped) is a
+    no-op.
+12. `manual_copies=False`: a copy is queued done and reaped inside the
+    `save`/`restore` that queued it (`copies_reaped += 1` there); it never
+    shows in the snapshot, and `poll()` returns 0.
+13. `pin(seq)` on a sequence whose restore checkpoint has since been released
+    (replaced or evicted) raises `IllegalTransition('checkpoint', 'pin',
+    'absent')`, even if an equal checkpoint was saved again at the same place.
+    `SequenceView.restore_checkpoint` is None once that checkpoint is gone.
+14. Save rule 1 (deduplicated) and rule 2 / 4 / 5 skips change nothing but
+    their counter: no clock tick, no recency update.
+15. `abort` subtracts exactly what its `match` added (the token count at match
+    time, even after `append`); it leaves `restores` and everything else alone.
+    `release`/`abort` leave `seq.block_ids` and `seq.tokens` readable on the
+    dead sequence object; explicit receipts taken with `pin(seq)` outlive it.
+16. Snapshot ids: node ids are node serials (roots included), checkpoint ids
+    are checkpoint serials; sequence and copy ids are creation counters.
+    Node `children` are listed in id order.
+"""
+
+from __future__ import annotations
+
+import copy as _copylib
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from spec.errors import (
+    CheckpointError,
+    ConfigError,
+    InvalidArgument,
+    InvalidType,
+    OutOfBlocks,
+    PinError,
+    SequenceNotLive,
+)
+from spec.lifecycle import (
+    CHECKPOINT,
+    NODE,
+    CheckpointState,
+    NodeState,
+    implied_checkpoint_state,
+    implied_node_state,
+)
+from spec.snapshot import (
+    STAT_COUNTERS,
+    CheckpointView,
+    CopyView,
+    NodeView,
+    SequenceView,
+    Snapshot,
+)
+
+Key = tuple[tuple[int, ...], Hashable]
+
+__all__ = ["ModelCopy", "ModelReceipt", "ModelRestore", "ModelSequence", "ReferenceCache"]
+
+
+# --------------------------------------------------------------------------- objects
+
+
+class _Node:
+    """One trie node (a root when `parent` is None)."""
+
+    def __init__(
+        self,
+        serial: int,
+        namespace: str,
+        parent: _Node | None,
+        key: Key | None,
+        block: int | None,
+        tick: int,
+    ) -> None:
+        self.serial = serial
+        self.namespace = namespace
+        self.parent = parent
+        self.key = key
+        self.block = block
+        self.tick = tick
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.attached = True
+        self.checkpoint: _Checkpoint | None = None
+
+
+class _Checkpoint:
+    """One checkpoint; live while `present` (it is then its anchor's checkpoint)."""
+
+    def __init__(
+        self,
+        serial: int,
+        anchor: _Node,
+        step: int,
+        tail: tuple[int, ...],
+        tail_extra: Hashable,
+        slot: int,
+        frozen_block: int | None,
+        tick: int,
+    ) -> None:
+        self.serial = serial
+        self.anchor = anchor
+        self.step = step
+        self.tail = tail
+        self.tail_extra = tail_extra
+        self.slot = slot
+        self.frozen_block = frozen_block
+        self.tick = tick
+        self.present = True
+        self.published = False
+
+
+class ModelRestore:
+    """`seq.restore`: the checkpoint a match hit."""
+
+    def __init__(self, checkpoint: _Checkpoint) -> None:
+        self.step = checkpoint.step
+        self._checkpoint = checkpoint
+
+    def __repr__(self) -> str:
+        return f"ModelRestore(step={self.step})"
+
+
+class ModelSequence:
+    """One request's view of the reference cache."""
+
+    def __init__(
+        self,
+        owner: ReferenceCache,
+        ident: int,
+        tokens: tuple[int, ...],
+        namespace: str,
+        extra: tuple[Hashable, ...] | None,
+    ) -> None:
+        self.tokens = tokens
+        self.namespace = namespace
+        self.extra = extra
+        self.num_cached_tokens = 0
+        self.num_committed_tokens = 0
+        self.block_ids: list[int] = []
+        self.restore: ModelRestore | None = None
+        self.branch_step = 0
+        self._owner = owner
+        self._id = ident
+        self._live = True
+        self._path: list[_Node] = []
+        self._holds_match_pin = False
+        self._restored = False
+        self._match_stats: dict[str, int] = {}
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelSequence(#{self._id}, ns={self.namespace!r}, len={len(self.tokens)}, "
+            f"cached={self.num_cached_tokens}, blocks={self.block_ids})"
+        )
+
+
+class ModelCopy:
+    """One queued copy (checkpoint save or restore)."""
+
+    def __init__(
+        self,
+        owner: ReferenceCache,
+        ident: int,
+        kind: str,
+        step: int,
+        blocks: list[int],
+        pins: list[_Checkpoint],
+        touches: frozenset[tuple[str, int]],
+    ) -> None:
+        self.kind = kind
+        self.step = step
+        self.done = False
+        self.reaped = False
+        self._owner = owner
+        self._id = ident
+        self._blocks = blocks
+        self._pins = pins
+        self._touches = touches
+
+    def __repr__(self) -> str:
+        return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, done={self.done})"
+
+
+class ModelReceipt:
+    """An explicit pin receipt (single use)."""
+
+    def __init__(self, owner: ReferenceCache, checkpoint: _Checkpoint) -> None:
+        self._owner = owner
+        self._checkpoint = checkpoint
+        self._used = False
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(x: object, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise InvalidType(f"{what} must be an int (not bool), got {type(x).__name__}")
+    return x
+
+
+def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ...]:
+    if not isinstance(tokens, (list, tuple)):
+        raise InvalidType(
+            f"{what}: tokens must be a list or tuple of int, got {type(tokens).__name__}"
+        )
+    for t in tokens:
+        if not _is_int(t):
+            raise InvalidType(f"{what}: every token must be an int (not bool), got {t!r}")
+    for t in tokens:
+        if t < 0:
+            raise InvalidArgument(f"{what}: token ids must be >= 0, got {t}")
+    if nonempty and not tokens:
+        raise InvalidArgument(f"{what}: tokens must be non-empty")
+    return tuple(tokens)
+
+
+def _check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str):
+        raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
+    return namespace
+
+
+def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
+    if extra is None:
+        return None
+    if not isinstance(extra, (list, tuple)):
+        raise InvalidType(f"extra must be None or a list/tuple, got {type(extra).__name__}")
+    for i, e in enumerate(extra):
+        try:
+            hash(e)
+        except TypeError:
+            raise InvalidType(f"extra[{i}] must be hashable, got {type(e).__name__}") from None
+    return tuple(extra)
+
+
+def _identity(extra: tuple[Hashable, ...] | None, i: int) -> Hashable:
+    """Block `i`'s extra identity (None past the end of `extra`)."""
+    if extra is None or i >= len(extra):
+        return None
+    return extra[i]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class ReferenceCache:
+    """The naive reference model (see the module docstring)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        num_checkpoint_slots: int = 0,
+        *,
+        manual_copies: bool = True,
+    ) -> None:
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("num_blocks", num_blocks, 1),
+            ("num_checkpoint_slots", num_checkpoint_slots, 0),
+        ):
+            if not _is_int(value):
+                raise ConfigError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if not isinstance(manual_copies, bool):
+            raise ConfigError(f"manual_copies must be a bool, got {type(manual_copies).__name__}")
+        self._B = block_size
+        self._num_blocks = num_blocks
+        self._num_slots = num_checkpoint_slots
+        self._manual = manual_copies
+        self._clock = 0
+        self._node_serial = 0
+        self._ckpt_serial = 0
+        self._seq_counter = 0
+        self._copy_counter = 0
+        self._roots: dict[str, _Node] = {}
+        self._nodes: list[_Node] = []  # attached non-root nodes, in creation order
+        self._sequences: list[ModelSequence] = []  # live sequences, in creation order
+        self._copies: list[ModelCopy] = []  # unreaped copies, oldest first
+        self._receipts: list[ModelReceipt] = []  # outstanding explicit receipts
+        self._stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
+
+    # ------------------------------------------------------------------ derived facts
+
+    @property
+    def block_size(self) -> int:
+        return self._B
+
+    @property
+    def clock(self) -> int:
+        return self._clock
+
+    def _refcounts(self) -> dict[int, int]:
+        rc = dict.fromkeys(range(self._num_blocks), 0)
+        for node in self._nodes:
+            assert node.block is not None
+            rc[node.block] += 1
+        for seq in self._sequences:
+            for b in seq.block_ids:
+                rc[b] += 1
+        for c in self._live_checkpoints():
+            if c.frozen_block is not None:
+                rc[c.frozen_block] += 1
+        for cp in self._copies:
+            for b in cp._blocks:
+                rc[b] += 1
+        return rc
+
+    def _free_block_list(self) -> list[int]:
+        return [b for b, n in self._refcounts().items() if n == 0]
+
+    def _live_checkpoints(self) -> list[_Checkpoint]:
+        anchors = [*self._roots.values(), *self._nodes]
+        found = [n.checkpoint for n in anchors if n.checkpoint is not None]
+        return sorted(found, key=lambda c: c.serial)
+
+    def _free_slot_list(self) -> list[int]:
+        used = {c.slot for c in self._live_checkpoints()}
+        return [s for s in range(self._num_slots) if s not in used]
+
+    def _pin_count(self, c: _Checkpoint) -> int:
+        n = sum(
+            1
+            for s in self._sequences
+            if s._holds_match_pin and s.restore is not None and s.restore._checkpoint is c
+        )
+        n += sum(sum(1 for p in cp._pins if p is c) for cp in self._copies)
+        n += sum(1 for r in self._receipts if r._checkpoint is c)
+        return n
+
+    def _children(self, node: _Node) -> list[_Node]:
+        return [n for n in self._nodes if n.parent is node]
+
+    def _child(self, node: _Node, key: Key) -> _Node | None:
+        for n in self._nodes:
+            if n.parent is node and n.key == key:
+                return n
+        return None
+
+    def _node_state(self, node: _Node, rc: dict[int, int]) -> NodeState:
+        assert node.block is not None
+        pins = 0 if node.checkpoint is None else self._pin_count(node.checkpoint)
+        return implied_node_state(
+            attached=node.attached,
+            leaf=not self._children(node),
+            block_refs=rc[node.block],
+            pins=pins,
+        )
+
+    def _checkpoint_state(self, c: _Checkpoint) -> CheckpointState:
+        return implied_checkpoint_state(
+            present=c.present, published=c.published, pins=self._pin_count(c)
+        )
+
+    def _evictable_index(self) -> list[_Node]:
+        rc = self._refcounts()
+        nodes = [n for n in self._nodes if self._node_state(n, rc) is NodeState.EVICTABLE]
+        return sorted(nodes, key=lambda n: (n.tick, n.serial))
+
+    def _checkpoint_index(self) -> list[_Checkpoint]:
+        found = [
+            c for c in self._live_checkpoints()
+            if self._checkpoint_state(c) is CheckpointState.PUBLISHED
+        ]
+        return sorted(found, key=lambda c: (c.tick, c.serial))
+
+    def _key(
+        self, tokens: tuple[int, ...], extra: tuple[Hashable, ...] | None, i: int
+    ) -> Key:
+        B = self._B
+        return (tokens[i * B : (i + 1) * B], _identity(extra, i))
+
+    # ------------------------------------------------------------------ primitive changes
+
+    def _drop_checkpoint(self, c: _Checkpoint, trigger: str) -> None:
+        """Release / replace / evict a live checkpoint (frees its slot and frozen block)."""
+        CHECKPOINT.step(trigger, self._checkpoint_state(c).value, f"checkpoint #{c.serial}")
+        c.present = False
+        c.anchor.checkpoint = None
+
+    def _evict_one_node(self) -> bool:
+        """Evict the LRU evictable node (and its checkpoint); False when there is none."""
+        index = self._evictable_index()
+        if not index:
+            return False
+        node = index[0]
+        NODE.step("free", NodeState.EVICTABLE.value, f"node #{node.serial}")
+        if node.checkpoint is not None:
+            self._drop_checkpoint(node.checkpoint, "evict")
+            self._stats["evicted_checkpoints"] += 1
+        self._nodes.remove(node)
+        node.attached = False
+        return True
+
+    def _evict_blocks(self, n: int) -> int:
+        """KV eviction as in `evict(n)`; returns the number of blocks freed."""
+        freed = 0
+        while freed < n:
+            before = len(self._free_block_list())
+            if not self._evict_one_node():
+                break
+            freed += len(self._free_block_list()) - before
+        self._stats["evicted_blocks"] += freed
+        return freed
+
+    def _evict_checkpoints(self, n: int) -> int:
+        released = 0
+        while released < n:
+            index = self._checkpoint_index()
+            if not index:
+                break
+            self._drop_checkpoint(index[0], "evict")
+            released += 1
+        self._stats["evicted_checkpoints"] += released
+        return released
+
+    def _reclaimable(self) -> int:
+        """Blocks a sequence of KV evictions could free (simulated on a deep copy)."""
+        sim = _copylib.deepcopy(self)
+        return sim._evict_blocks(self._num_blocks + 1)
+
+    def _can_get_blocks(self, need: int) -> bool:
+        free = len(self._free_block_list())
+        return free >= need or free + self._reclaimable() >= need
+
+    def _get_blocks(self, need: int) -> list[int]:
+        """Evict until `need` blocks are free and return them (caller checked feasibility)."""
+        free = len(self._free_block_list())
+        if free < need:
+            self._evict_blocks(need - free)
+        blocks = self._free_block_list()[:need]
+        assert len(blocks) == need
+        return blocks
+
+    def _grow(self, seq: ModelSequence, need: int) -> None:
+        if not self._can_get_blocks(need):
+            raise OutOfBlocks(
+                f"sequence #{seq._id} needs {need} blocks; {len(self._free_block_list())} free "
+                f"and not enough evictable"
+            )
+        seq.block_ids.extend(self._get_blocks(need))
+
+    def _queue_copy(
+        self, kind: str, checkpoint: _Checkpoint, seq_block: int | None
+    ) -> ModelCopy:
+        touches = {("slot", checkpoint.slot)}
+        if checkpoint.frozen_block is not None:
+            touches.add(("block", checkpoint.frozen_block))
+        if seq_block is not None:
+            touches.add(("block", seq_block))
+        self._copy_counter += 1
+        cp = ModelCopy(
+            self,
+            self._copy_counter,
+            kind,
+            checkpoint.step,
+            [] if seq_block is None else [seq_block],
+            [checkpoint],
+            frozenset(touches),
+        )
+        self._copies.append(cp)
+        return cp
+
+    def _settle(self, cp: ModelCopy) -> None:
+        """With `manual_copies=False` a copy is done when queued and reaped at once."""
+        if not self._manual:
+            cp.done = True
+            self._reap(cp)
+
+    def _reap(self, cp: ModelCopy) -> None:
+        self._copies.remove(cp)
+        cp.reaped = True
+        self._stats["copies_reaped"] += 1
+
+    # ------------------------------------------------------------------ argument checks
+
+    def _check_seq(self, seq: object) -> ModelSequence:
+        if not isinstance(seq, ModelSequence):
+            raise InvalidType(f"expected a sequence of this cache, got {type(seq).__name__}")
+        if seq._owner is not self:
+            raise SequenceNotLive(f"sequence #{seq._id} belongs to another cache")
+        if not seq._live:
+            raise SequenceNotLive(f"sequence #{seq._id} was released or aborted")
+        return seq
+
+    # ------------------------------------------------------------------ public API
+
+    def match(
+        self,
+        tokens: Sequence[int],
+        namespace: str = "",
+        extra: Sequence[Hashable] | None = None,
+    ) -> ModelSequence:
+        toks = _check_tokens(tokens, "match", nonempty=True)
+        ns = _check_namespace(namespace)
+        ext = _check_extra(extra)
+        B = self._B
+        root = self._roots.get(ns)
+        if root is None:
+            self._node_serial += 1
+            root = _Node(self._node_serial, ns, None, None, None, 0)
+            self._roots[ns] = root
+        walked: list[_Node] = []
+        node = root
+        for i in range(len(toks) // B):
+            child = self._child(node, self._key(toks, ext, i))
+            if child is None:
+                break
+            walked.append(child)
+            node = child
+        kv_depth = len(walked)
+        limit = min(kv_depth, (len(toks) - 1) // B)
+
+        self._seq_counter += 1
+        seq = ModelSequence(self, self._seq_counter, toks, ns, ext)
+        seq.branch_step = kv_depth * B
+        if self._num_slots == 0:
+            seq._path = walked[:limit]
+            seq.num_cached_tokens = limit * B
+        else:
+            for d in range(limit, -1, -1):
+                anchor = root if d == 0 else walked[d - 1]
+                c = anchor.checkpoint
+                if c is None:
+                    continue
+                if self._checkpoint_state(c) not in (
+                    CheckpointState.PUBLISHED,
+                    CheckpointState.PINNED,
+                ):
+                    continue
+                if c.step > len(toks) - 1:
+                    continue
+                if c.step % B != 0 and (
+                    c.tail != toks[d * B : c.step] or c.tail_extra != _identity(ext, d)
+                ):
+                    continue
+                CHECKPOINT.step("pin", self._checkpoint_state(c).value, f"checkpoint #{c.serial}")
+                seq._path = walked[:d]
+                seq.num_cached_tokens = c.step
+                seq.restore = ModelRestore(c)
+                seq._holds_match_pin = True
+                break
+        seq.block_ids = [n.block for n in seq._path if n.block is not None]
+        seq.num_committed_tokens = seq.num_cached_tokens
+        seq._match_stats = {
+            "queries": 1,
+            "query_tokens": len(toks),
+            "hit_tokens": seq.num_cached_tokens,
+            "checkpoint_hits": 0 if seq.restore is None else 1,
+        }
+        for name, value in seq._match_stats.items():
+            self._stats[name] += value
+        self._sequences.append(seq)
+        return seq
+
+    def append(self, seq: ModelSequence, tokens: Sequence[int]) -> None:
+        s = self._check_seq(seq)
+        toks = _check_tokens(tokens, "append", nonempty=False)
+        s.tokens = s.tokens + toks
+
+    def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
+        s = self._check_seq(seq)
+        n = _check_int(num_tokens, "num_tokens")
+        if not 0 <= n <= len(s.tokens):
+            raise InvalidArgument(
+                f"allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, "
+                f"got {n}"
+            )
+        need = -(-n // self._B) - len(s.block_ids)
+        if need <= 0:
+            return
+        self._grow(s, need)
+
+    def commit(self, seq: ModelSequence, num_tokens: int) -> None:
+        s = self._check_seq(seq)
+        n = _check_int(num_tokens, "num_tokens")
+        covered = len(s.block_ids) * self._B
+        high = min(len(s.tokens), covered)
+        if not s.num_committed_tokens <= n <= high:
+            raise InvalidArgument(
+                f"commit: num_tokens must be in [{s.num_committed_tokens}, {high}] for "
+                f"sequence #{s._id}, got {n}"
+            )
+        self._clock += 1
+        tick = self._clock
+        parent = s._path[-1] if s._path else self._roots[s.namespace]
+        for i in range(len(s._path), n // self._B):
+            key = self._key(s.tokens, s.extra, i)
+            child = self._child(parent, key)
+            if child is not None:
+                assert child.block is not None
+                s.block_ids[i] = child.block  # drops the private block, takes the node's
+            else:
+                self._node_serial += 1
+                child = _Node(self._node_serial, s.namespace, parent, key, s.block_ids[i], tick)
+                self._nodes.append(child)
+            child.tick = tick
+            s._path.append(child)
+            parent = child
+        s.num_committed_tokens = n
+
+    def release(self, seq: ModelSequence) -> None:
+        s = self._check_seq(seq)
+        self._clock += 1
+        for node in s._path:
+            node.tick = self._clock
+        self._end(s)
+
+    def abort(self, seq: ModelSequence) -> None:
+        s = self._check_seq(seq)
+        for name, value in s._match_stats.items():
+            self._stats[name] -= value
+        self._end(s)
+
+    def _end(self, s: ModelSequence) -> None:
+        s._holds_match_pin = False
+        s._live = False
+        self._sequences.remove(s)  # drops its references and its match pin
+
+    def save(self, seq: ModelSequence, step: int) -> ModelCopy | None:
+        s = self._check_seq(seq)
+        st = _check_int(step, "step")
+        B = self._B
+        if self._num_slots == 0:
+            raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots == 0)")
+        if not 1 <= st <= len(s.tokens):
+            raise InvalidArgument(
+                f"save: step must be in [1, {len(s.tokens)}] for sequence #{s._id}, got {st}"
+            )
+        d = st // B
+        if d > s.num_committed_tokens // B:
+            raise CheckpointError(
+                f"save: step {st} anchors at block {d}, but sequence #{s._id} has only "
+                f"{s.num_committed_tokens // B} committed blocks"
+            )
+        partial = st % B != 0
+        if partial and len(s.block_ids) <= d:
+            raise CheckpointError(
+                f"save: partial step {st} needs block {d} of sequence #{s._id} allocated"
+            )
+        anchor = self._roots[s.namespace] if d == 0 else s._path[d - 1]
+        tail = s.tokens[d * B : st]
+        tail_extra = _identity(s.extra, d) if partial else None
+        old = anchor.checkpoint
+        # 1. the same checkpoint exists
+        if old is not None and (old.step, old.tail, old.tail_extra) == (st, tail, tail_extra):
+            self._stats["checkpoints_deduplicated"] += 1
+            return None
+        # 2. a pinned checkpoint is never replaced
+        if old is not None and self._pin_count(old) > 0:
+            self._stats["checkpoints_skipped"] += 1
+            return None
+        reuse_frozen = old is not None and partial and old.frozen_block is not None
+        # 4. (check) a slot: free, or the LRU published checkpoint's
+        if old is None and not self._free_slot_list() and not self._checkpoint_index():
+            self._stats["checkpoints_skipped"] += 1
+            return None
+        # 5. (check, before 4 evicts anything) a frozen block: free, or by KV eviction
+        if partial and not reuse_frozen and not self._can_get_blocks(1):
+            self._stats["checkpoints_skipped"] += 1
+            return None
+        # 3. / 4. take the slot
+        frozen: int | None = None
+        if old is not None:
+            slot = old.slot
+            if reuse_frozen:
+                frozen = old.frozen_block
+            self._drop_checkpoint(old, "replace")
+        else:
+            free_slots = self._free_slot_list()
+            if not free_slots:
+                self._evict_checkpoints(1)
+                free_slots = self._free_slot_list()
+            slot = free_slots[0]
+        # 5. take the frozen block
+        if partial and frozen is None:
+            frozen = self._get_blocks(1)[0]
+        self._clock += 1
+        self._ckpt_serial += 1
+        c = _Checkpoint(self._ckpt_serial, anchor, st, tail, tail_extra, slot, frozen, self._clock)
+        CHECKPOINT.step("reserve", CheckpointState.ABSENT.value)
+        anchor.checkpoint = c
+        cp = self._queue_copy("save", c, s.block_ids[d] if partial else None)
+        CHECKPOINT.step("publish", CheckpointState.RESERVED.value)
+        c.published = True
+        self._stats["checkpoints_saved"] += 1
+        self._settle(cp)
+        return cp
+
+    def restore(self, seq: ModelSequence) -> ModelCopy:
+        s = self._check_seq(seq)
+        if s.restore is None:
+            raise CheckpointError(f"restore: sequence #{s._id} did not hit a checkpoint")
+        if s._restored:
+            raise CheckpointError(f"restore: sequence #{s._id} was already restored")
+        c = s.restore._checkpoint
+        if not c.present:  # unreachable: the match pin keeps it
+            CHECKPOINT.step("pin", CheckpointState.ABSENT.value, f"checkpoint #{c.serial}")
+        d = c.step // self._B
+        partial = c.step % self._B != 0
+        if partial and len(s.block_ids) <= d:
+            self._grow(s, d + 1 - len(s.block_ids))
+        self._clock += 1
+        c.tick = self._clock
+        cp = self._queue_copy("restore", c, s.block_ids[d] if partial else None)
+        s._holds_match_pin = False  # the match pin moves to the copy
+        s._restored = True
+        self._stats["restores"] += 1
+        self._settle(cp)
+        return cp
+
+    def evict(self, num_blocks: int) -> int:
+        n = _check_int(num_blocks, "num_blocks")
+        if n < 0:
+            raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
+        return self._evict_blocks(n)
+
+    def evict_checkpoints(self, n: int) -> int:
+        k = _check_int(n, "n")
+        if k < 0:
+            raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {k}")
+        return self._evict_checkpoints(k)
+
+    def poll(self) -> int:
+        finished = [cp for cp in self._copies if cp.done]
+        for cp in finished:
+            self._reap(cp)
+        return len(finished)
+
+    def pin(self, seq: ModelSequence) -> ModelReceipt:
+        s = self._check_seq(seq)
+        if s.restore is None:
+            raise CheckpointError(f"pin: sequence #{s._id} has no restore checkpoint")
+        c = s.restore._checkpoint
+        state = self._checkpoint_state(c)
+        CHECKPOINT.step("pin", state.value, f"checkpoint #{c.serial}")
+        receipt = ModelReceipt(self, c)
+        self._receipts.append(receipt)
+        return receipt
+
+    def unpin(self, receipt: ModelReceipt) -> None:
+        if not isinstance(receipt, ModelReceipt):
+            raise InvalidType(f"unpin: expected a pin receipt, got {type(receipt).__name__}")
+        if receipt._owner is not self:
+            raise PinError("unpin: the receipt belongs to another cache")
+        if receipt._used:
+            raise PinError(
+                f"unpin: the receipt on checkpoint #{receipt._checkpoint.serial} was already used"
+            )
+        receipt._used = True
+        self._receipts.remove(receipt)
+
+    def pending(self) -> list[ModelCopy]:
+        return [cp for cp in self._copies if not cp.done]
+
+    def complete(self, copy: ModelCopy) -> None:
+        if not isinstance(copy, ModelCopy):
+            raise InvalidType(f"complete: expected a copy, got {type(copy).__name__}")
+        if copy._owner is not self:
+            raise InvalidArgument("complete: the copy belongs to another cache")
+        if copy.done:
+            return
+        self._complete(copy)
+
+    def _complete(self, copy: ModelCopy) -> None:
+        for earlier in self._copies:
+            if earlier is copy:
+                break
+            if not earlier.done and earlier._touches & copy._touches:
+                self._complete(earlier)
+        copy.done = True
+
+    def complete_all(self) -> None:
+        for cp in self.pending():
+            cp.done = True
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_block_list())
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def num_free_checkpoint_slots(self) -> int:
+        return len(self._free_slot_list())
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def snapshot(self) -> Snapshot:
+        rc = self._refcounts()
+        all_nodes = sorted([*self._roots.values(), *self._nodes], key=lambda n: n.serial)
+        nodes: dict[int, NodeView] = {}
+        for n in all_nodes:
+            is_root = n.parent is None
+            nodes[n.serial] = NodeView(
+                namespace=n.namespace,
+                parent=None if n.parent is None else n.parent.serial,
+                depth=n.depth,
+                key=n.key,
+                block=n.block,
+                children=sorted(c.serial for c in self._children(n)),
+                state="root" if is_root else self._node_state(n, rc).value,
+                tick=n.tick,
+                serial=n.serial,
+                checkpoint=None if n.checkpoint is None else n.checkpoint.serial,
+            )
+        checkpoints: dict[int, CheckpointView] = {}
+        for c in self._live_checkpoints():
+            checkpoints[c.serial] = CheckpointView(
+                anchor=c.anchor.serial,
+                step=c.step,
+                tail=c.tail,
+                tail_extra=c.tail_extra,
+                slot=c.slot,
+                frozen_block=c.frozen_block,
+                pins=self._pin_count(c),
+                state=self._checkpoint_state(c).value,
+                tick=c.tick,
+                serial=c.serial,
+            )
+        sequences: dict[int, SequenceView] = {}
+        for s in self._sequences:
+            restore_c = None if s.restore is None else s.restore._checkpoint
+            sequences[s._id] = SequenceView(
+                namespace=s.namespace,
+                tokens=s.tokens,
+                extra=s.extra,
+                blocks=list(s.block_ids),
+                path=[n.serial for n in s._path],
+                num_cached_tokens=s.num_cached_tokens,
+                num_committed_tokens=s.num_committed_tokens,
+                restore_checkpoint=(
+                    restore_c.serial if restore_c is not None and restore_c.present else None
+                ),
+                holds_match_pin=s._holds_match_pin,
+            )
+        copies: dict[int, CopyView] = {
+            cp._id: CopyView(
+                kind=cp.kind,
+                blocks=list(cp._blocks),
+                pins=[c.serial for c in cp._pins],
+                done=cp.done,
+            )
+            for cp in self._copies
+        }
+        stats: dict[str, Any] = dict(self._stats)
+        return Snapshot(
+            block_size=self._B,
+            capacity=self._num_blocks,
+            free_blocks=[b for b, n in rc.items() if n == 0],
+            refcounts=rc,
+            slot_capacity=self._num_slots,
+            free_slots=self._free_slot_list(),
+            roots={ns: r.serial for ns, r in self._roots.items()},
+            nodes=nodes,
+            checkpoints=checkpoints,
+            sequences=sequences,
+            copies=copies,
+            explicit_pins=[r._checkpoint.serial for r in self._receipts],
+            evictable_index=[n.serial for n in self._evictable_index()],
+            checkpoint_index=[c.serial for c in self._checkpoint_index()],
+            event_blocks=None,
+            stats=stats,
+        )
