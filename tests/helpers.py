@@ -1,0 +1,66 @@
+"""Small builders shared by the unit tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cache import BlockTrie, CacheConfig, ManualCopies
+from spec.snapshot import Snapshot
+
+
+def kv_trie(num_blocks: int = 16, block_size: int = 4, **overrides: Any) -> BlockTrie:
+    """An attention-only trie with a tiny KV tensor."""
+    config = CacheConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_block_shape=overrides.pop("kv_block_shape", (block_size, 2)),
+        kv_dtype=torch.float32,
+        **overrides,
+    )
+    return BlockTrie(config)
+
+
+def ssm_trie(
+    num_blocks: int = 16, slots: int = 4, block_size: int = 4, manual: bool = True, **kw: Any
+) -> tuple[BlockTrie, ManualCopies | None]:
+    """An SSM trie with tiny KV and state tensors; ManualCopies unless manual=False."""
+    config = CacheConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_block_shape=(block_size, 2),
+        kv_dtype=torch.float64,
+        num_checkpoint_slots=slots,
+        state_shapes={"conv": (2, 3), "ssm": (3,)},
+        state_dtype=torch.float64,
+        **kw,
+    )
+    copies = ManualCopies() if manual else None
+    return BlockTrie(config, copies=copies), copies
+
+
+def state(value: float) -> dict[str, torch.Tensor]:
+    """A runtime state filled with `value` (a recognisable pattern)."""
+    return {
+        "conv": torch.full((2, 3), value, dtype=torch.float64),
+        "ssm": torch.arange(3, dtype=torch.float64) + value,
+    }
+
+
+def empty_state() -> dict[str, torch.Tensor]:
+    return {"conv": torch.zeros(2, 3, dtype=torch.float64), "ssm": torch.zeros(3, dtype=torch.float64)}
+
+
+def serve(trie: BlockTrie, tokens: list[int], namespace: str = "", extra: Any = None) -> int:
+    """match + allocate + commit + release; returns the hit."""
+    seq = trie.match(tokens, namespace=namespace, extra=extra)
+    trie.allocate(seq, len(tokens))
+    trie.commit(seq, len(tokens))
+    trie.release(seq)
+    return seq.num_cached_tokens
+
+
+def frozen(snap: Snapshot) -> dict[str, Any]:
+    """Everything in a snapshot that a failed or undone operation must leave as it was."""
+    return {k: v for k, v in snap.items() if k != "event_blocks"}
