@@ -49,7 +49,10 @@ def state(value: float) -> dict[str, torch.Tensor]:
 
 
 def empty_state() -> dict[str, torch.Tensor]:
-    return {"conv": torch.zeros(2, 3, dtype=torch.float64), "ssm": torch.zeros(3, dtype=torch.float64)}
+    return {
+        "conv": torch.zeros(2, 3, dtype=torch.float64),
+        "ssm": torch.zeros(3, dtype=torch.float64),
+    }
 
 
 def serve(trie: BlockTrie, tokens: list[int], namespace: str = "", extra: Any = None) -> int:

@@ -58,7 +58,7 @@ def test_evicting_a_pinned_node_is_an_illegal_transition() -> None:
 
 
 def test_ssm_match_ends_at_the_deepest_published_checkpoint() -> None:
-    trie, copies = ssm_trie(manual=False)
+    trie, _copies = ssm_trie(manual=False)
     seq = _prefill(trie, PROMPT)
     trie.save(seq, 4, state(4.0))
     trie.release(seq)
@@ -101,7 +101,7 @@ def test_restore_reads_back_exactly_what_was_saved() -> None:
 
 
 def test_partial_checkpoint_tail_identity_and_frozen_block() -> None:
-    trie, copies = ssm_trie(num_blocks=8, manual=False)
+    trie, _copies = ssm_trie(num_blocks=8, manual=False)
     seq = _prefill(trie, PROMPT)
     kv = trie.kv_cache
     assert kv is not None
@@ -157,7 +157,7 @@ def test_replacement_at_the_same_anchor_reuses_the_slot() -> None:
 
 
 def test_a_pinned_checkpoint_is_never_replaced() -> None:
-    trie, copies = ssm_trie()
+    trie, _copies = ssm_trie()
     seq = _prefill(trie, PROMPT)
     first = trie.save(seq, 9, state(1.0))
     assert first is not None
@@ -197,7 +197,7 @@ def test_evict_checkpoints_keeps_the_kv_nodes() -> None:
 
 
 def test_explicit_pins_are_single_use_receipts() -> None:
-    trie, copies = ssm_trie(manual=False)
+    trie, _copies = ssm_trie(manual=False)
     seq = _prefill(trie, PROMPT)
     trie.save(seq, 4, state(1.0))
     trie.release(seq)
