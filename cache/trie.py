@@ -122,6 +122,8 @@ class BlockTrie:
         self.copies: CopyEngine = copies if copies is not None else DeviceCopies()
         self.copies.bind(self.device)
         self._roots: dict[str, Node] = {}
+        # block id -> the attached node that owns it, to settle it when a count drops.
+        self._owner: list[Node | None] = [None] * config.num_blocks
         self._evictable: LRUIndex[Node] = LRUIndex()
         self._checkpoint_lru: LRUIndex[Checkpoint] = LRUIndex()
         self._clock = 0
@@ -535,6 +537,7 @@ class BlockTrie:
             _CACHED,
         )
         parent.children[key] = node
+        self._owner[block] = node
         self._num_cached += 1
         self._settle(parent)
         self._settle(node)
@@ -609,6 +612,7 @@ class BlockTrie:
         del parent.children[node.key]
         node.state = freed_state
         node.parent = None
+        self._owner[node.block] = None
         self._num_cached -= 1
         if self._kv.decref(node.block):
             freed += 1
@@ -822,6 +826,9 @@ class BlockTrie:
             self._unpin(receipt)
         for block in copy.blocks:
             self._kv.decref(block)
+            owner = self._owner[block]
+            if owner is not None:
+                self._settle(owner)
         self.stats.copies_reaped += 1
 
     def poll(self) -> int:

@@ -76,14 +76,17 @@ must do the same for the differential test to agree.
     `complete(copy)` is transitive: each earlier pending copy that shares a
     resource is completed first, together with its own earlier dependencies,
     oldest first. Completing a copy that is already done (or reaped) is a
-    no-op.
+    no-op. (As far as the model can tell, two unreaped copies share a
+    resource only when they pin the same checkpoint, so this amounts to
+    "complete every earlier copy of the same checkpoint first".)
 12. `manual_copies=False`: a copy is queued done and reaped inside the
     `save`/`restore` that queued it (`copies_reaped += 1` there); it never
     shows in the snapshot, and `poll()` returns 0.
 13. `pin(seq)` on a sequence whose restore checkpoint has since been released
     (replaced or evicted) raises `IllegalTransition('checkpoint', 'pin',
     'absent')`, even if an equal checkpoint was saved again at the same place.
-    `SequenceView.restore_checkpoint` is None once that checkpoint is gone.
+    `SequenceView.restore_checkpoint` keeps that checkpoint's id after it is
+    gone (as `spec.invariants.ssm_soundness` expects).
 14. Save rule 1 (deduplicated) and rule 2 / 4 / 5 skips change nothing but
     their counter: no clock tick, no recency update.
 15. `abort` subtracts exactly what its `match` added (the token count at match
@@ -559,13 +562,13 @@ class ReferenceCache:
 
     # ------------------------------------------------------------------ argument checks
 
-    def _check_seq(self, seq: object) -> ModelSequence:
+    def _check_seq(self, seq: object, op: str) -> ModelSequence:
         if not isinstance(seq, ModelSequence):
-            raise InvalidType(f"expected a sequence of this cache, got {type(seq).__name__}")
+            raise InvalidType(f"{op}: expected a sequence of this cache, got {type(seq).__name__}")
         if seq._owner is not self:
-            raise SequenceNotLive(f"sequence #{seq._id} belongs to another cache")
+            raise SequenceNotLive(f"{op}: sequence #{seq._id} belongs to another cache")
         if not seq._live:
-            raise SequenceNotLive(f"sequence #{seq._id} was released or aborted")
+            raise SequenceNotLive(f"{op}: sequence #{seq._id} was released or aborted")
         return seq
 
     # ------------------------------------------------------------------ public API
@@ -639,13 +642,13 @@ class ReferenceCache:
         return seq
 
     def append(self, seq: ModelSequence, tokens: Sequence[int]) -> None:
-        s = self._check_seq(seq)
+        s = self._check_seq(seq, "append")
         toks = _check_tokens(tokens, "append", nonempty=False)
         s.tokens = s.tokens + toks
 
     def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
-        s = self._check_seq(seq)
-        n = _check_int(num_tokens, "num_tokens")
+        s = self._check_seq(seq, "allocate")
+        n = _check_int(num_tokens, "allocate: num_tokens")
         if not 0 <= n <= len(s.tokens):
             raise InvalidArgument(
                 f"allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, "
@@ -657,8 +660,8 @@ class ReferenceCache:
         self._grow(s, need)
 
     def commit(self, seq: ModelSequence, num_tokens: int) -> None:
-        s = self._check_seq(seq)
-        n = _check_int(num_tokens, "num_tokens")
+        s = self._check_seq(seq, "commit")
+        n = _check_int(num_tokens, "commit: num_tokens")
         covered = len(s.block_ids) * self._B
         high = min(len(s.tokens), covered)
         if not s.num_committed_tokens <= n <= high:
@@ -685,14 +688,14 @@ class ReferenceCache:
         s.num_committed_tokens = n
 
     def release(self, seq: ModelSequence) -> None:
-        s = self._check_seq(seq)
+        s = self._check_seq(seq, "release")
         self._clock += 1
         for node in s._path:
             node.tick = self._clock
         self._end(s)
 
     def abort(self, seq: ModelSequence) -> None:
-        s = self._check_seq(seq)
+        s = self._check_seq(seq, "abort")
         for name, value in s._match_stats.items():
             self._stats[name] -= value
         self._end(s)
@@ -703,8 +706,8 @@ class ReferenceCache:
         self._sequences.remove(s)  # drops its references and its match pin
 
     def save(self, seq: ModelSequence, step: int) -> ModelCopy | None:
-        s = self._check_seq(seq)
-        st = _check_int(step, "step")
+        s = self._check_seq(seq, "save")
+        st = _check_int(step, "save: step")
         B = self._B
         if self._num_slots == 0:
             raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots == 0)")
@@ -773,7 +776,7 @@ class ReferenceCache:
         return cp
 
     def restore(self, seq: ModelSequence) -> ModelCopy:
-        s = self._check_seq(seq)
+        s = self._check_seq(seq, "restore")
         if s.restore is None:
             raise CheckpointError(f"restore: sequence #{s._id} did not hit a checkpoint")
         if s._restored:
@@ -795,13 +798,13 @@ class ReferenceCache:
         return cp
 
     def evict(self, num_blocks: int) -> int:
-        n = _check_int(num_blocks, "num_blocks")
+        n = _check_int(num_blocks, "evict: num_blocks")
         if n < 0:
             raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
         return self._evict_blocks(n)
 
     def evict_checkpoints(self, n: int) -> int:
-        k = _check_int(n, "n")
+        k = _check_int(n, "evict_checkpoints: n")
         if k < 0:
             raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {k}")
         return self._evict_checkpoints(k)
@@ -813,7 +816,7 @@ class ReferenceCache:
         return len(finished)
 
     def pin(self, seq: ModelSequence) -> ModelReceipt:
-        s = self._check_seq(seq)
+        s = self._check_seq(seq, "pin")
         if s.restore is None:
             raise CheckpointError(f"pin: sequence #{s._id} has no restore checkpoint")
         c = s.restore._checkpoint
@@ -918,9 +921,7 @@ class ReferenceCache:
                 path=[n.serial for n in s._path],
                 num_cached_tokens=s.num_cached_tokens,
                 num_committed_tokens=s.num_committed_tokens,
-                restore_checkpoint=(
-                    restore_c.serial if restore_c is not None and restore_c.present else None
-                ),
+                restore_checkpoint=None if restore_c is None else restore_c.serial,
                 holds_match_pin=s._holds_match_pin,
             )
         copies: dict[int, CopyView] = {

@@ -1,0 +1,373 @@
+"""The core test: one state machine drives `cache.BlockTrie` and `spec.model.ReferenceCache`
+with the same operations and compares what they observe after every step.
+
+- Tiny token alphabet ({0, 1}), block sizes 2-3, a handful of blocks and slots:
+  prefixes collide, nodes are shared, eviction and skipping happen constantly.
+- `Bundle`s hold live sequences, in-flight copies and pin receipts;
+  `consumes()` retires them on release / abort / complete / unpin.
+- Errors are part of the contract: both implementations must raise the same
+  class, and a failing operation must leave the cache's observable state as it was.
+- `check()` (every spec invariant) runs as an `@invariant` on the cache, and
+  the same predicates run on the model's snapshot.
+- Data: every save writes a unique pattern into a fresh runtime state (and
+  prefix-derived values into the partial tail's KV); every restore must read
+  back exactly what was saved for that prefix, which catches a slot or frozen
+  block reused while a copy was in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from cache import BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
+from spec import invariants
+from spec.model import ReferenceCache
+from spec.snapshot import observe
+
+T = TypeVar("T")
+
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=8)
+NAMESPACES = st.sampled_from(["", "ns"])
+FRACTION = st.floats(0.0, 1.0)
+
+
+def _code(namespace: str, prefix: tuple[int, ...]) -> float:
+    """The KV value an engine would write at the last position of `prefix`."""
+    return float(hash((namespace, prefix)) % 100_003)
+
+
+@dataclass
+class Pair:
+    """The same object in both implementations."""
+
+    real: Any
+    model: Any
+
+
+@dataclass
+class PendingRestore:
+    """What a restore copy must have written once it completes."""
+
+    copy: Copy
+    runtime: dict[str, torch.Tensor]
+    expected_pattern: float
+    block: int
+    expected_tail: list[float] = field(default_factory=list)
+
+
+class CacheVersusModel(RuleBasedStateMachine):
+    live = Bundle("live")
+    copies = Bundle("copies")
+    receipts = Bundle("receipts")
+
+    @initialize(
+        block_size=st.integers(2, 3),
+        num_blocks=st.integers(4, 10),
+        slots=st.sampled_from([0, 1, 2, 3]),
+    )
+    def setup(self, block_size: int, num_blocks: int, slots: int) -> None:
+        self.block_size = block_size
+        self.ssm = slots > 0
+        self.manual = ManualCopies()
+        self.cache = BlockTrie(
+            CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_block_shape=(block_size,),
+                kv_dtype=torch.float64,
+                num_checkpoint_slots=slots,
+                state_shapes={"s": (2,)} if slots else {},
+                state_dtype=torch.float64,
+            ),
+            copies=self.manual,
+        )
+        self.model = ReferenceCache(block_size, num_blocks, slots, manual_copies=True)
+        self.patterns = 0
+        self.saved: dict[tuple[str, tuple[int, ...]], float] = {}
+        self.pending_restores: list[PendingRestore] = []
+
+    # ------------------------------------------------------------ helpers
+
+    def both(self, real: Callable[[], T], model: Callable[[], Any]) -> tuple[T, Any] | None:
+        """Run the operation on both; same error class, or both succeed.
+
+        Returns None when both raised. A raising operation must not change
+        what the cache's observable state was.
+        """
+        before = observe(self.cache.snapshot())
+        real_error: Exception | None = None
+        model_error: Exception | None = None
+        real_result: Any = None
+        model_result: Any = None
+        try:
+            real_result = real()
+        except Exception as exc:  # compared below
+            real_error = exc
+        try:
+            model_result = model()
+        except Exception as exc:
+            model_error = exc
+        assert type(real_error) is type(model_error), (
+            f"cache raised {real_error!r}, model raised {model_error!r}"
+        )
+        if real_error is not None:
+            assert not isinstance(real_error, AssertionError)
+            assert observe(self.cache.snapshot()) == before, f"{real_error!r} changed the state"
+            return None
+        return real_result, model_result
+
+    def _runtime(self, value: float) -> dict[str, torch.Tensor]:
+        if not self.ssm:
+            return {}
+        return {"s": torch.tensor([value, -value], dtype=torch.float64)}
+
+    # -------------------------------------------------------------- rules
+
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES)
+    def match(self, tokens: list[int], namespace: str) -> Any:
+        out = self.both(
+            lambda: self.cache.match(tokens, namespace=namespace),
+            lambda: self.model.match(tokens, namespace=namespace),
+        )
+        assert out is not None
+        real, model = out
+        assert real.num_cached_tokens == model.num_cached_tokens
+        assert real.branch_step == model.branch_step
+        assert len(real.block_ids) == len(model.block_ids)
+        assert (real.restore is None) == (model.restore is None)
+        if real.restore is not None:
+            assert real.restore.step == model.restore.step == real.num_cached_tokens
+        return Pair(real, model)
+
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES)
+    def prefill(self, tokens: list[int], namespace: str) -> Any:
+        """match + allocate + commit the whole prompt: what most requests do."""
+        pair = self.match(tokens, namespace)
+        n = len(tokens)
+        if self.both(
+            lambda: self.cache.allocate(pair.real, n), lambda: self.model.allocate(pair.model, n)
+        ):
+            self.both(
+                lambda: self.cache.commit(pair.real, n), lambda: self.model.commit(pair.model, n)
+            )
+        return pair
+
+    @rule(seq=live, tokens=TOKENS)
+    def append(self, seq: Pair, tokens: list[int]) -> None:
+        self.both(
+            lambda: self.cache.append(seq.real, tokens),
+            lambda: self.model.append(seq.model, tokens),
+        )
+
+    @rule(seq=live, fraction=FRACTION, overshoot=st.integers(0, 1))
+    def allocate(self, seq: Pair, fraction: float, overshoot: int) -> None:
+        n = int(len(seq.real.tokens) * fraction) + overshoot
+        self.both(
+            lambda: self.cache.allocate(seq.real, n), lambda: self.model.allocate(seq.model, n)
+        )
+
+    @rule(seq=live, fraction=FRACTION)
+    def commit(self, seq: Pair, fraction: float) -> None:
+        covered = min(len(seq.real.tokens), len(seq.real.block_ids) * self.block_size)
+        n = int(covered * fraction) if fraction < 0.9 else covered
+        self.both(lambda: self.cache.commit(seq.real, n), lambda: self.model.commit(seq.model, n))
+
+    @rule(seq=live)
+    def allocate_and_commit_all(self, seq: Pair) -> None:
+        n = len(seq.real.tokens)
+        if self.both(
+            lambda: self.cache.allocate(seq.real, n), lambda: self.model.allocate(seq.model, n)
+        ):
+            self.both(
+                lambda: self.cache.commit(seq.real, n), lambda: self.model.commit(seq.model, n)
+            )
+
+    @rule(seq=consumes(live))
+    def release(self, seq: Pair) -> None:
+        self.both(lambda: self.cache.release(seq.real), lambda: self.model.release(seq.model))
+
+    @rule(seq=consumes(live))
+    def abort(self, seq: Pair) -> None:
+        self.both(lambda: self.cache.abort(seq.real), lambda: self.model.abort(seq.model))
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n: int) -> None:
+        out = self.both(lambda: self.cache.evict(n), lambda: self.model.evict(n))
+        assert out is not None and out[0] == out[1]
+
+    @precondition(lambda self: self.ssm)
+    @rule(n=st.integers(0, 3))
+    def evict_checkpoints(self, n: int) -> None:
+        out = self.both(
+            lambda: self.cache.evict_checkpoints(n), lambda: self.model.evict_checkpoints(n)
+        )
+        assert out is not None and out[0] == out[1]
+
+    @precondition(lambda self: self.ssm)
+    @rule(
+        target=copies,
+        seq=live,
+        where=st.sampled_from(["committed", "branch", "any"]),
+        fraction=FRACTION,
+    )
+    def save(self, seq: Pair, where: str, fraction: float) -> Any:
+        """Save where an engine would: the committed end, the branch point, or anywhere."""
+        real_seq: Sequence = seq.real
+        if where == "committed":
+            step = max(1, real_seq.num_committed_tokens)
+        elif where == "branch":
+            step = max(1, min(real_seq.branch_step, real_seq.num_committed_tokens))
+        else:
+            step = max(1, round(len(real_seq.tokens) * fraction))
+        self.patterns += 1
+        pattern = float(self.patterns)
+        runtime = self._runtime(pattern)
+        depth, rem = divmod(step, self.block_size)
+        kv = self.cache.kv_cache
+        if rem and len(real_seq.block_ids) > depth and kv is not None:
+            # The engine has computed the partial block's KV: prefix-derived values.
+            for pos in range(rem):
+                prefix = real_seq.tokens[: depth * self.block_size + pos + 1]
+                kv[real_seq.block_ids[depth], pos] = _code(real_seq.namespace, prefix)
+        out = self.both(
+            lambda: self.cache.save(real_seq, step, runtime),
+            lambda: self.model.save(seq.model, step),
+        )
+        if out is None:
+            return multiple()
+        real, model = out
+        assert (real is None) == (model is None)
+        if real is None:
+            return multiple()
+        self.saved[(real_seq.namespace, real_seq.tokens[:step])] = pattern
+        return Pair(real, model)
+
+    @precondition(lambda self: self.ssm)
+    @rule(target=copies, seq=live)
+    def restore(self, seq: Pair) -> Any:
+        real_seq: Sequence = seq.real
+        runtime = self._runtime(-1.0)
+        out = self.both(
+            lambda: self.cache.restore(real_seq, runtime),
+            lambda: self.model.restore(seq.model),
+        )
+        if out is None:
+            return multiple()
+        real, model = out
+        assert real_seq.restore is not None
+        step = real_seq.restore.step
+        depth, rem = divmod(step, self.block_size)
+        self.pending_restores.append(
+            PendingRestore(
+                copy=real,
+                runtime=runtime,
+                expected_pattern=self.saved[(real_seq.namespace, real_seq.tokens[:step])],
+                block=real_seq.block_ids[depth] if rem else -1,
+                expected_tail=[
+                    _code(real_seq.namespace, real_seq.tokens[: depth * self.block_size + p + 1])
+                    for p in range(rem)
+                ],
+            )
+        )
+        return Pair(real, model)
+
+    @precondition(lambda self: self.ssm)
+    @rule(target=receipts, seq=live)
+    def pin(self, seq: Pair) -> Any:
+        out = self.both(lambda: self.cache.pin(seq.real), lambda: self.model.pin(seq.model))
+        return multiple() if out is None else Pair(*out)
+
+    @rule(receipt=consumes(receipts))
+    def unpin(self, receipt: Pair) -> None:
+        assert isinstance(receipt.real, PinReceipt)
+        self.both(lambda: self.cache.unpin(receipt.real), lambda: self.model.unpin(receipt.model))
+
+    @rule(receipt=receipts)
+    def unpin_twice_is_refused(self, receipt: Pair) -> None:
+        if receipt.real.used:
+            self.both(
+                lambda: self.cache.unpin(receipt.real), lambda: self.model.unpin(receipt.model)
+            )
+
+    @rule(copy=consumes(copies))
+    def complete_one_copy(self, copy: Pair) -> None:
+        self.both(lambda: self.manual.complete(copy.real), lambda: self.model.complete(copy.model))
+        self._check_restored_data()
+
+    @rule()
+    def complete_all(self) -> None:
+        self.both(self.manual.complete_all, self.model.complete_all)
+        self._check_restored_data()
+
+    @rule()
+    def poll(self) -> None:
+        out = self.both(self.cache.poll, self.model.poll)
+        assert out is not None and out[0] == out[1]
+
+    def _check_restored_data(self) -> None:
+        kv = self.cache.kv_cache
+        still: list[PendingRestore] = []
+        for pending in self.pending_restores:
+            if not pending.copy.done:
+                still.append(pending)
+                continue
+            assert pending.runtime["s"].tolist() == [
+                pending.expected_pattern,
+                -pending.expected_pattern,
+            ], "restore read a state other than the one saved for this prefix"
+            if pending.block >= 0 and kv is not None:
+                got = kv[pending.block, : len(pending.expected_tail)].tolist()
+                assert got == pending.expected_tail, "frozen tail differs from the saved tail"
+        self.pending_restores = still
+
+    # --------------------------------------------------------- invariants
+
+    @invariant()
+    def cache_invariants_hold(self) -> None:
+        self.cache.check()
+
+    @invariant()
+    def model_invariants_hold(self) -> None:
+        invariants.check_all(self.model.snapshot())
+
+    @invariant()
+    def both_observe_the_same(self) -> None:
+        real, model = observe(self.cache.snapshot()), observe(self.model.snapshot())
+        for key in real:
+            assert real[key] == model[key], f"{key}: cache {real[key]!r} != model {model[key]!r}"
+        assert self.cache.num_free_blocks == self.model.num_free_blocks
+        assert self.cache.num_cached_blocks == self.model.num_cached_blocks
+        assert self.cache.num_free_checkpoint_slots == self.model.num_free_checkpoint_slots
+
+    @invariant()
+    def pinned_checkpoints_are_never_released_nor_their_slots_reused(self) -> None:
+        snap = self.cache.snapshot()
+        owners: dict[int, int] = {ck["slot"]: cid for cid, ck in snap["checkpoints"].items()}
+        for copy in snap["copies"].values():
+            for cid in copy["pins"]:
+                assert cid in snap["checkpoints"], "a copy's checkpoint was released"
+                assert owners[snap["checkpoints"][cid]["slot"]] == cid, "its slot was reused"
+
+
+TestCacheVersusModel = CacheVersusModel.TestCase
+TestCacheVersusModel.settings = settings(
+    TestCacheVersusModel.settings,
+    max_examples=max(TestCacheVersusModel.settings.max_examples, 200),
+    stateful_step_count=max(TestCacheVersusModel.settings.stateful_step_count, 80),
+)
