@@ -778,6 +778,11 @@ class BlockTrie:
         runtime = self._slots.check_runtime(runtime_state)
         ck = point.checkpoint
         depth = ck.step // self._block_size
+        if ck.frozen_block is not None and len(seq.path) > depth:
+            raise CheckpointError(
+                f"restore: {seq!r} already committed block {depth}, where the frozen tail "
+                "would be written; restore before prefill"
+            )
         if ck.frozen_block is not None and len(seq.blocks) == depth:
             self._make_room(1)
             seq.blocks.extend(self._kv.take(1))

@@ -786,6 +786,10 @@ class ReferenceCache:
             CHECKPOINT.step("pin", CheckpointState.ABSENT.value, f"checkpoint #{c.serial}")
         d = c.step // self._B
         partial = c.step % self._B != 0
+        if partial and s.num_committed_tokens >= (d + 1) * self._B:
+            raise CheckpointError(
+                f"restore: sequence #{s._id} already committed block {d}, the frozen tail's target"
+            )
         if partial and len(s.block_ids) <= d:
             self._grow(s, d + 1 - len(s.block_ids))
         self._clock += 1

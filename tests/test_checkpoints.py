@@ -409,3 +409,19 @@ def test_cuda_copies_when_a_gpu_is_present() -> None:
     trie.poll()
     trie.release(hit)
     trie.check()
+
+
+def test_restore_refuses_to_write_a_frozen_tail_into_a_committed_block() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = _prefill(trie, PROMPT)
+    trie.save(seq, 10, state(1.0))
+    trie.release(seq)
+    hit = trie.match([*PROMPT, 3, 3, 5])  # hit 10; block 2 = [3, 3, 3, 3]
+    trie.allocate(hit, 13)
+    trie.commit(hit, 12)  # block 2 is now a shared trie node
+    before = frozen(trie.snapshot())
+    with pytest.raises(CheckpointError, match="restore before prefill"):
+        trie.restore(hit, empty_state())
+    assert frozen(trie.snapshot()) == before
+    trie.release(hit)
+    trie.check()
