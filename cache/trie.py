@@ -32,6 +32,7 @@ from cache.node import Checkpoint, HashedKey, Node
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
+from cache.validation import extra_tuple, int_arg, token_list
 from spec import invariants
 from spec.errors import (
     CacheError,
@@ -56,43 +57,6 @@ _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
 _PUBLISHED = CheckpointState.PUBLISHED.value
 _ROOT_STATE = "root"
-
-
-def _int_arg(name: str, value: object) -> int:
-    if type(value) is not int:
-        raise InvalidType(f"{name} must be an int, got {type(value).__name__}")
-    return value
-
-
-def _token_list(tokens: object, what: str = "tokens") -> list[int]:
-    """Validate token ids: a list/tuple of non-negative ints. Returns a private list."""
-    if type(tokens) is not list and type(tokens) is not tuple:
-        raise InvalidType(f"{what} must be a list or tuple of ints, got {type(tokens).__name__}")
-    if not tokens:
-        return []
-    kinds = {*map(type, tokens)}
-    if kinds != {int}:
-        bad = sorted(k.__name__ for k in kinds if k is not int)
-        raise InvalidType(f"{what} must contain only ints; found {', '.join(bad)}")
-    if min(tokens) < 0:
-        raise InvalidArgument(f"{what} must be >= 0; found {min(tokens)}")
-    return list(tokens)
-
-
-def _extra_tuple(extra: object) -> tuple[Hashable, ...] | None:
-    if extra is None:
-        return None
-    if type(extra) is not list and type(extra) is not tuple:
-        raise InvalidType(
-            "extra must be None or a list/tuple of per-block identities, "
-            f"got {type(extra).__name__}"
-        )
-    for i, item in enumerate(extra):
-        try:
-            hash(item)
-        except TypeError:
-            raise InvalidType(f"extra[{i}] is not hashable: {item!r}") from None
-    return tuple(extra)
 
 
 class BlockTrie:
@@ -340,12 +304,12 @@ class BlockTrie:
 
         Leaves at least one token to compute. See docs/semantics.md, "match".
         """
-        toks = _token_list(tokens)
+        toks = token_list(tokens)
         if not toks:
             raise InvalidArgument("match needs at least one token")
         if not isinstance(namespace, str):
             raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
-        ext = _extra_tuple(extra)
+        ext = extra_tuple(extra)
         size = self._block_size
         root = self._roots.get(namespace)
         path = self._walk(root, toks, ext, len(toks) // size)
@@ -389,7 +353,7 @@ class BlockTrie:
     def append(self, seq: Sequence, tokens: SequenceABC[int]) -> None:
         """Extend `seq.tokens` (decode)."""
         self._check_live(seq)
-        seq.token_list.extend(_token_list(tokens))
+        seq.token_list.extend(token_list(tokens))
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Make the block table cover `tokens[:num_tokens]`, evicting LRU leaves if short.
@@ -397,7 +361,7 @@ class BlockTrie:
         Raises `OutOfBlocks` (nothing changed) when even eviction cannot make room.
         """
         self._check_live(seq)
-        n = _int_arg("num_tokens", num_tokens)
+        n = int_arg("num_tokens", num_tokens)
         if not 0 <= n <= len(seq.token_list):
             raise InvalidArgument(
                 f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
@@ -458,7 +422,7 @@ class BlockTrie:
         to the cached block and its own copy is freed.
         """
         self._check_live(seq)
-        n = _int_arg("num_tokens", num_tokens)
+        n = int_arg("num_tokens", num_tokens)
         size = self._block_size
         covered = min(len(seq.token_list), len(seq.blocks) * size)
         if not seq.num_committed_tokens <= n <= covered:
@@ -585,7 +549,7 @@ class BlockTrie:
         Returns the blocks freed (node blocks plus frozen tails); fewer when
         nothing more is evictable. Pinned or shared nodes are never touched.
         """
-        n = _int_arg("num_blocks", num_blocks)
+        n = int_arg("num_blocks", num_blocks)
         if n < 0:
             raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
         return self._evict_blocks(n)
@@ -623,7 +587,7 @@ class BlockTrie:
 
     def evict_checkpoints(self, n: int) -> int:
         """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes stay."""
-        count = _int_arg("n", n)
+        count = int_arg("n", n)
         if count < 0:
             raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
         return self._evict_checkpoints(count)
@@ -670,7 +634,7 @@ class BlockTrie:
         self._check_live(seq)
         if not self._ssm:
             raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots=0)")
-        step = _int_arg("step", step)
+        step = int_arg("step", step)
         if not 1 <= step <= len(seq.token_list):
             raise InvalidArgument(f"save: step={step} outside 1..{len(seq.token_list)} for {seq!r}")
         size = self._block_size
