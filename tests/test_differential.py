@@ -101,6 +101,8 @@ class CacheVersusModel(RuleBasedStateMachine):
         self.patterns = 0
         self.saved: dict[tuple[str, tuple[int, ...]], float] = {}
         self.pending_restores: list[PendingRestore] = []
+        self.open_sequences: dict[int, Pair] = {}  # for teardown's drain
+        self.open_receipts: dict[int, Pair] = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -153,7 +155,9 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert (real.restore is None) == (model.restore is None)
         if real.restore is not None:
             assert real.restore.step == model.restore.step == real.num_cached_tokens
-        return Pair(real, model)
+        pair = Pair(real, model)
+        self.open_sequences[id(real)] = pair
+        return pair
 
     @rule(target=live, tokens=TOKENS, namespace=NAMESPACES)
     def prefill(self, tokens: list[int], namespace: str) -> Any:
@@ -201,10 +205,20 @@ class CacheVersusModel(RuleBasedStateMachine):
     @rule(seq=consumes(live))
     def release(self, seq: Pair) -> None:
         self.both(lambda: self.cache.release(seq.real), lambda: self.model.release(seq.model))
+        self.open_sequences.pop(id(seq.real), None)
 
     @rule(seq=consumes(live))
     def abort(self, seq: Pair) -> None:
         self.both(lambda: self.cache.abort(seq.real), lambda: self.model.abort(seq.model))
+        self.open_sequences.pop(id(seq.real), None)
+
+    @rule(tokens=TOKENS, namespace=NAMESPACES)
+    def match_then_abort_is_an_exact_undo(self, tokens: list[int], namespace: str) -> None:
+        """Invariant 8 (rollback), on both implementations."""
+        for impl in (self.cache, self.model):
+            before = impl.snapshot()
+            impl.abort(impl.match(tokens, namespace=namespace))
+            assert invariants.rollback(before, impl.snapshot()) == []
 
     @rule(n=st.integers(0, 4))
     def evict(self, n: int) -> None:
@@ -291,12 +305,17 @@ class CacheVersusModel(RuleBasedStateMachine):
     @rule(target=receipts, seq=live)
     def pin(self, seq: Pair) -> Any:
         out = self.both(lambda: self.cache.pin(seq.real), lambda: self.model.pin(seq.model))
-        return multiple() if out is None else Pair(*out)
+        if out is None:
+            return multiple()
+        pair = Pair(*out)
+        self.open_receipts[id(pair.real)] = pair
+        return pair
 
     @rule(receipt=consumes(receipts))
     def unpin(self, receipt: Pair) -> None:
         assert isinstance(receipt.real, PinReceipt)
         self.both(lambda: self.cache.unpin(receipt.real), lambda: self.model.unpin(receipt.model))
+        self.open_receipts.pop(id(receipt.real), None)
 
     @rule(receipt=receipts)
     def unpin_twice_is_refused(self, receipt: Pair) -> None:
@@ -335,6 +354,32 @@ class CacheVersusModel(RuleBasedStateMachine):
                 got = kv[pending.block, : len(pending.expected_tail)].tolist()
                 assert got == pending.expected_tail, "frozen tail differs from the saved tail"
         self.pending_restores = still
+
+    def teardown(self) -> None:
+        """Invariant 9: with nothing live and nothing pinned, evicting everything
+        returns every pool to full, in both implementations."""
+        if not hasattr(self, "cache"):
+            return
+        for pair in self.open_sequences.values():
+            self.cache.release(pair.real)
+            self.model.release(pair.model)
+        for pair in self.open_receipts.values():
+            if not pair.real.used:
+                self.cache.unpin(pair.real)
+                self.model.unpin(pair.model)
+        self.manual.complete_all()
+        self.model.complete_all()
+        assert self.cache.poll() == self.model.poll()
+        self._check_restored_data()
+        capacity = self.cache.config.num_blocks
+        assert self.cache.evict(capacity) == self.model.evict(capacity)
+        slots = self.cache.config.num_checkpoint_slots
+        assert self.cache.evict_checkpoints(slots) == self.model.evict_checkpoints(slots)
+        for impl in (self.cache, self.model):
+            assert impl.num_free_blocks == capacity
+            assert impl.num_cached_blocks == 0
+            assert impl.num_free_checkpoint_slots == slots
+        self.cache.check()
 
     # --------------------------------------------------------- invariants
 
