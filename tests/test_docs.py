@@ -35,3 +35,13 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     ci_command = next(line for line in ci.splitlines() if "pytest" in line).strip()
     assert ci_command == command
     assert any("blocktrie replay" in b for b in blocks)
+
+
+def test_readme_usage_example_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    namespace: dict[str, object] = {}
+    exec(compile(code.replace("...", "pass"), "README.md", "exec"), namespace)
+    trie = namespace["trie"]
+    trie.check()  # type: ignore[attr-defined]
+    assert trie.num_cached_blocks == 6  # type: ignore[attr-defined]
