@@ -150,9 +150,11 @@ class DeviceCopies(CopyEngine):
         with torch.cuda.stream(stream):
             copy.run()
             for src, dst in copy.moves:
-                # The engine's runtime tensors are used on our stream too.
-                src.record_stream(stream)
-                dst.record_stream(stream)
+                # The engine's runtime tensors are used on our stream too: the
+                # caching allocator must not hand their memory out before we finish.
+                for tensor in (src, dst):
+                    if tensor.is_cuda:
+                        tensor.record_stream(stream)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         copy._event = event
