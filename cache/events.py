@@ -7,11 +7,12 @@ cached blocks (invariant 10); `replay` does that.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
+
+# NamedTuples: immutable, and cheap enough to build on the commit / evict hot paths.
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(NamedTuple):
     """Blocks attached by one commit, parent first. `parent_block_hash` is None at a root."""
 
     block_hashes: tuple[int, ...]
@@ -22,8 +23,7 @@ class BlockStored:
     namespace: str
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(NamedTuple):
     """Blocks detached by eviction."""
 
     block_hashes: tuple[int, ...]
@@ -31,8 +31,7 @@ class BlockRemoved:
     namespace: str
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(NamedTuple):
     """Every cached block was dropped (`BlockTrie.clear`)."""
 
 

@@ -247,12 +247,12 @@ class BlockTrie:
             leaf=not node.children,
             block_refs=self._kv.refs[node.block],
             pins=ck.pins if ck is not None else 0,
-        ).value
+        )
         state = node.state
         if implied == state:
             return
-        for trigger in NODE.route(state, implied, repr(node)):
-            state = NODE.step(trigger, state, repr(node))
+        for trigger in NODE.route(state, implied, node):
+            state = NODE.step(trigger, state, node)
         if node.state == _EVICTABLE:
             self._evictable.remove(node)
         node.state = state
@@ -261,7 +261,7 @@ class BlockTrie:
 
     def _ck_move(self, ck: Checkpoint, trigger: str) -> None:
         """Fire `trigger` on a checkpoint; keeps the checkpoint LRU index in step."""
-        new = CHECKPOINT.step(trigger, ck.state, repr(ck))
+        new = CHECKPOINT.step(trigger, ck.state, ck)
         if ck.state == _PUBLISHED:
             self._checkpoint_lru.remove(ck)
         ck.state = new
@@ -504,7 +504,8 @@ class BlockTrie:
         self._owner[block] = node
         self._num_cached += 1
         self._settle(parent)
-        self._settle(node)
+        # The new node starts `cached`, which its facts imply: the committing
+        # sequence still holds its block.
         return node
 
     # ------------------------------------------------------- release / abort
@@ -536,8 +537,11 @@ class BlockTrie:
         kv = self._kv
         for block in seq.blocks:
             kv.decref(block)
-        for node in reversed(seq.path):
-            self._settle(node)
+        if seq.path:
+            # Every other path node has a child (the next one), so it stays
+            # `cached` or `pinned`; only the deepest can have become a leaf
+            # that nobody else holds.
+            self._settle(seq.path[-1])
         seq.live = False
         del self._live[seq.serial]
 
@@ -563,7 +567,7 @@ class BlockTrie:
         return freed
 
     def _free_node(self, node: Node) -> int:
-        freed_state = NODE.step("free", node.state, repr(node))
+        freed_state = NODE.step("free", node.state, node)
         self._evictable.remove(node)
         freed = 0
         ck = node.checkpoint

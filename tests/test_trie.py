@@ -211,7 +211,8 @@ def test_decode_append_allocate_commit() -> None:
         ("1234", InvalidType),
         ([1, 2.0, 3], InvalidType),
         ([1, None], InvalidType),
-        ([1, True], InvalidType),
+        ([1, 2**64], InvalidArgument),
+        (["1", -1], InvalidType),  # types are checked before ranges
         ([1, -2], InvalidArgument),
         ([], InvalidArgument),
         ({1, 2}, InvalidType),
@@ -223,6 +224,14 @@ def test_match_rejects_bad_tokens(tokens: object, error: type[Exception]) -> Non
     with pytest.raises(error):
         trie.match(tokens)  # type: ignore[arg-type]
     assert frozen(trie.snapshot()) == before
+
+
+def test_integer_like_tokens_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    trie = kv_trie()
+    serve(trie, [*SYSTEM, 1])
+    assert trie.match([np.int64(t) for t in SYSTEM] + [1]).num_cached_tokens == 8
+    trie.check()
 
 
 def test_bad_arguments_raise_clear_errors_and_change_nothing() -> None:
