@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-from sortedcontainers import SortedDict
+from sortedcontainers import SortedList
 
 
 class _Ordered(Protocol):
@@ -22,13 +22,14 @@ class LRUIndex(Generic[T]):
     An object's `tick` must not change while it is in the index (remove, change,
     add). `serial` is unique per object, so the order is total and the same in
     every implementation that uses the same clock (the documented tie-break:
-    equal ticks go oldest-created first).
+    equal ticks go oldest-created first). Entries are `(tick, serial, obj)`
+    tuples in a `SortedList`; `serial` is unique, so `obj` is never compared.
     """
 
     __slots__ = ("_items",)
 
     def __init__(self) -> None:
-        self._items: SortedDict = SortedDict()
+        self._items: SortedList = SortedList()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -37,20 +38,20 @@ class LRUIndex(Generic[T]):
         return bool(self._items)
 
     def __contains__(self, obj: T) -> bool:
-        return (obj.tick, obj.serial) in self._items
+        return (obj.tick, obj.serial, obj) in self._items
 
     def __iter__(self) -> Iterator[T]:
-        return iter(self._items.values())
+        return (entry[2] for entry in self._items)
 
     def add(self, obj: T) -> None:
         """Insert `obj` (must not be present)."""
-        self._items[(obj.tick, obj.serial)] = obj
+        self._items.add((obj.tick, obj.serial, obj))
 
     def remove(self, obj: T) -> None:
         """Remove `obj` (must be present)."""
-        del self._items[(obj.tick, obj.serial)]
+        self._items.remove((obj.tick, obj.serial, obj))
 
     def oldest(self) -> T:
         """The least recent object (index must not be empty)."""
-        value: T = self._items.peekitem(0)[1]
-        return value
+        entry: tuple[int, int, T] = self._items[0]
+        return entry[2]

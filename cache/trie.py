@@ -406,7 +406,8 @@ class BlockTrie:
         short = need - self._kv.num_free
         if short <= 0:
             return
-        if self._reclaimable(short) < short:
+        # Each evictable leaf frees at least its own block; count deeper only when short.
+        if len(self._evictable) < short and self._reclaimable(short) < short:
             raise OutOfBlocks(
                 f"need {need} KV blocks: {self._kv.num_free} free and fewer than {short} "
                 f"reclaimable by eviction (capacity {self._kv.capacity})"
@@ -439,12 +440,17 @@ class BlockTrie:
             parent = path[-1] if path else self._root(seq.namespace)
             toks = seq.token_list
             ext = seq.extra
+            plain = ext is None and self._key_hash is None
             kv = self._kv
             stored: list[Node] = []
             for i in range(start, full):
                 tokens = tuple(toks[i * size : (i + 1) * size])
-                e = self._block_extra(ext, i)
-                key = self._key(tokens, e)
+                if plain:
+                    e: Hashable = None
+                    key: Hashable = tokens
+                else:
+                    e = self._block_extra(ext, i)
+                    key = self._key(tokens, e)
                 child = parent.children.get(key)
                 if child is not None:
                     own = seq.blocks[i]
@@ -503,9 +509,9 @@ class BlockTrie:
         parent.children[key] = node
         self._owner[block] = node
         self._num_cached += 1
-        self._settle(parent)
-        # The new node starts `cached`, which its facts imply: the committing
-        # sequence still holds its block.
+        # No state changes: the parent is a root or on the committing sequence's
+        # path (held, so `cached` or `pinned` with or without children), and the
+        # new node starts `cached`, as the sequence still holds its block.
         return node
 
     # ------------------------------------------------------- release / abort
@@ -561,10 +567,30 @@ class BlockTrie:
     def _evict_blocks(self, n: int) -> int:
         freed = 0
         index = self._evictable
+        removed: list[Node] = []
         while freed < n and index:
-            freed += self._free_node(index.oldest())
+            node = index.oldest()
+            freed += self._free_node(node)
+            removed.append(node)
+        if removed and self._events_on:
+            self._emit_removed(removed)
         self.stats.evicted_blocks += freed
         return freed
+
+    def _emit_removed(self, removed: list[Node]) -> None:
+        """One `BlockRemoved` per run of evicted nodes from the same namespace."""
+        start = 0
+        for i in range(1, len(removed) + 1):
+            if i == len(removed) or removed[i].namespace != removed[start].namespace:
+                run = removed[start:i]
+                self._events.append(
+                    BlockRemoved(
+                        tuple(nd.block_hash for nd in run),
+                        tuple(nd.block for nd in run),
+                        run[0].namespace,
+                    )
+                )
+                start = i
 
     def _free_node(self, node: Node) -> int:
         freed_state = NODE.step("free", node.state, node)
@@ -584,8 +610,6 @@ class BlockTrie:
         self._num_cached -= 1
         if self._kv.decref(node.block):
             freed += 1
-        if self._events_on:
-            self._events.append(BlockRemoved((node.block_hash,), (node.block,), node.namespace))
         self._settle(parent)
         return freed
 

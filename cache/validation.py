@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 from array import array
 from collections.abc import Hashable
+from typing import Any
 
 from spec.errors import InvalidArgument, InvalidType
 
@@ -33,7 +34,7 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
     return list(tokens)
 
 
-def _explain_bad_tokens(tokens: list[object] | tuple[object, ...], what: str) -> None:
+def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> None:
     for t in tokens:
         try:
             operator.index(t)
