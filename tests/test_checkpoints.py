@@ -425,3 +425,32 @@ def test_restore_refuses_to_write_a_frozen_tail_into_a_committed_block() -> None
     assert frozen(trie.snapshot()) == before
     trie.release(hit)
     trie.check()
+
+
+def test_slot_pool_raises_out_of_state_slots_when_full() -> None:
+    from cache import OutOfStateSlots
+    from cache.faults import Faults
+    from cache.state_pool import CheckpointSlotPool
+
+    pool = CheckpointSlotPool(1, {"ssm": (2,)}, torch.float32, torch.device("cpu"), Faults())
+    slot = pool.take()
+    with pytest.raises(OutOfStateSlots):
+        pool.take()
+    pool.give(slot)
+    with pytest.raises(CacheError, match="double release"):
+        pool.give(slot)
+    assert pool.num_free == 1
+
+
+def test_faults_fail_the_armed_point_once() -> None:
+    from cache.faults import Faults
+
+    faults = Faults()
+    faults.arm(after=1)
+    faults.check("a")
+    with pytest.raises(CacheError, match="injected allocation failure at b"):
+        faults.check("b")
+    faults.check("c")  # disarmed after firing
+    assert faults.points == ["a", "b", "c"]
+    with pytest.raises(ValueError):
+        faults.arm(after=-1)
