@@ -453,14 +453,13 @@ class ReferenceCache:
 
     def _checkpoint_index(self) -> list[_Checkpoint]:
         found = [
-            c for c in self._live_checkpoints()
+            c
+            for c in self._live_checkpoints()
             if self._checkpoint_state(c) is CheckpointState.PUBLISHED
         ]
         return sorted(found, key=lambda c: (c.tick, c.serial))
 
-    def _key(
-        self, tokens: tuple[int, ...], extra: tuple[Hashable, ...] | None, i: int
-    ) -> Key:
+    def _key(self, tokens: tuple[int, ...], extra: tuple[Hashable, ...] | None, i: int) -> Key:
         B = self._B
         return (tokens[i * B : (i + 1) * B], _identity(extra, i))
 
@@ -534,9 +533,7 @@ class ReferenceCache:
             )
         seq.block_ids.extend(self._get_blocks(need))
 
-    def _queue_copy(
-        self, kind: str, checkpoint: _Checkpoint, seq_block: int | None
-    ) -> ModelCopy:
+    def _queue_copy(self, kind: str, checkpoint: _Checkpoint, seq_block: int | None) -> ModelCopy:
         touches = {("slot", checkpoint.slot)}
         if checkpoint.frozen_block is not None:
             touches.add(("block", checkpoint.frozen_block))

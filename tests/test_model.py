@@ -49,8 +49,9 @@ def consistent(cache: ReferenceCache) -> Snapshot:
     assert cache.num_free_checkpoint_slots == len(snap["free_slots"])
     evictable = {nid for nid, n in snap["nodes"].items() if n["state"] == "evictable"}
     assert set(snap["evictable_index"]) == evictable
-    order = [(snap["nodes"][i]["tick"], snap["nodes"][i]["serial"])
-             for i in snap["evictable_index"]]
+    order = [
+        (snap["nodes"][i]["tick"], snap["nodes"][i]["serial"]) for i in snap["evictable_index"]
+    ]
     assert order == sorted(order)
     published = {cid for cid, c in snap["checkpoints"].items() if c["state"] == "published"}
     assert set(snap["checkpoint_index"]) == published
@@ -86,8 +87,13 @@ def names(cache: ReferenceCache, key: str) -> list[Any]:
     return [node_path(snap, nid)[1] for nid in snap[key]]  # type: ignore[literal-required]
 
 
-def fill(cache: ReferenceCache, tokens: list[int], namespace: str = "", release: bool = True,
-         extra: list[Any] | None = None) -> ModelSequence:
+def fill(
+    cache: ReferenceCache,
+    tokens: list[int],
+    namespace: str = "",
+    release: bool = True,
+    extra: list[Any] | None = None,
+) -> ModelSequence:
     """match + allocate + commit all full blocks (+ release)."""
     seq = cache.match(tokens, namespace, extra)
     cache.allocate(seq, len(tokens))
@@ -289,8 +295,10 @@ def test_eviction_tie_break_is_serial() -> None:
     fill(cache, toks(100, 4))
     for node in cache._nodes:
         node.tick = 7
-    assert names(cache, "evictable_index") == [(((0, 1, 2, 3), None),), (((100, 101, 102, 103),
-                                                                          None),)]
+    assert names(cache, "evictable_index") == [
+        (((0, 1, 2, 3), None),),
+        (((100, 101, 102, 103), None),),
+    ]
     cache.evict(1)
     assert names(cache, "evictable_index") == [(((100, 101, 102, 103), None),)]
 
@@ -859,8 +867,9 @@ def test_kv_eviction_releases_checkpoint_and_frozen_tail() -> None:
 # --------------------------------------------------------------------------- validation
 
 
-def _validation_cases() -> list[tuple[str, Callable[[ReferenceCache, ModelSequence], object],
-                                      type[Exception]]]:
+def _validation_cases() -> list[
+    tuple[str, Callable[[ReferenceCache, ModelSequence], object], type[Exception]]
+]:
     return [
         ("match tokens str", lambda c, s: c.match("abc"), InvalidType),  # type: ignore[arg-type]
         ("match token float", lambda c, s: c.match([1, 2.0]), InvalidType),
@@ -976,8 +985,9 @@ def test_random_walk_is_transactional_and_drains(seed: int) -> None:
     """Random operations: every failure changes nothing, the snapshot stays consistent,
     and once every sequence, copy and receipt is gone, eviction empties every pool."""
     rng = random.Random(seed)
-    cache = ReferenceCache(B, rng.choice([3, 6, 12]), rng.choice([0, 0, 1, 3]),
-                           manual_copies=rng.random() < 0.7)
+    cache = ReferenceCache(
+        B, rng.choice([3, 6, 12]), rng.choice([0, 0, 1, 3]), manual_copies=rng.random() < 0.7
+    )
     seqs: list[ModelSequence] = []
     receipts: list[Any] = []
 
@@ -1028,8 +1038,10 @@ def test_random_walk_is_transactional_and_drains(seed: int) -> None:
 
     for _ in range(200):
         count = len(seqs)
-        checked(rng.choice([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 6, 7, 8, 9, 10, 11, 11, 12]),
-                rng.choice(seqs) if seqs else None)
+        checked(
+            rng.choice([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 6, 7, 8, 9, 10, 11, 11, 12]),
+            rng.choice(seqs) if seqs else None,
+        )
         if len(seqs) > count and seqs[-1].restore is not None and rng.random() < 0.5:
             checked(4, seqs[-1])  # restore right after a checkpoint hit
         seqs = [s for s in seqs if s.live]

@@ -1,0 +1,586 @@
+"""blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
+
+Three sections (``--sections replay,evict,ckpt``):
+
+- **replay**: the built-in synthetic workload (the same as ``blocktrie
+  replay``; or ``--trace`` a Mooncake / token jsonl) replayed through
+  `cache.BlockTrie` and through the plain dict-of-children trie in
+  `bench.baseline`, at several capacities (fractions of what never evicts).
+  Per-block cost (ns) of match / allocate / commit / release / evict, the
+  total, the ratio to the baseline, and peak Python memory (tracemalloc, in a
+  second, untimed run).
+- **evict**: eviction cost per block with 10^3 .. 10^6 blocks cached (idle
+  chains of 16 blocks; evict in batches of 32), for both tries.
+- **ckpt**: SSM checkpoint save and restore throughput (copies/s and bytes/s)
+  for a realistic state (default 64 layers x 2 MiB), against a plain torch
+  ``copy_`` of the same bytes in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/run.py`: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.baseline import DictTrie
+from cache.replay import replay
+from cache.workload import (
+    TRACE_BLOCK_TOKENS,
+    SyntheticParams,
+    Workload,
+    count_prefix_hits,
+    load_trace,
+    synthetic_workload,
+)
+
+OPS = ("match", "allocate", "commit", "release", "evict")
+perf_ns = time.perf_counter_ns
+
+
+# --------------------------------------------------------------------------
+# Timing proxy
+
+
+@dataclass
+class OpTimes:
+    ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    other_ns: int = 0
+
+    def per_block(self, op: str) -> float:
+        return self.ns[op] / self.blocks[op] if self.blocks[op] else 0.0
+
+    @property
+    def total_ns(self) -> int:
+        return sum(self.ns.values()) + self.other_ns
+
+
+class TimedCache:
+    """Wraps a cache; times each call with `perf_counter_ns` and counts its blocks.
+
+    Eviction is made explicit: before `allocate`, the shortfall is evicted with
+    `evict` (timed as evict), so allocate's own time excludes eviction.
+    """
+
+    def __init__(self, cache: Any, block_size: int) -> None:
+        self.cache = cache
+        self.b = block_size
+        self.t = OpTimes()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.cache.num_free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return int(self.cache.num_cached_blocks)
+
+    @property
+    def stats(self) -> Any:
+        return self.cache.stats
+
+    def match(self, tokens: list[int], namespace: str = "") -> Any:
+        t0 = perf_ns()
+        seq = self.cache.match(tokens, namespace)
+        self.t.ns["match"] += perf_ns() - t0
+        self.t.blocks["match"] += len(tokens) // self.b
+        return seq
+
+    def allocate(self, seq: Any, num_tokens: int) -> None:
+        need = -(-num_tokens // self.b) - len(seq.block_ids)
+        if need <= 0:
+            return
+        short = need - self.cache.num_free_blocks
+        if short > 0:
+            t0 = perf_ns()
+            freed = self.cache.evict(short)
+            self.t.ns["evict"] += perf_ns() - t0
+            self.t.blocks["evict"] += freed
+        t0 = perf_ns()
+        try:
+            self.cache.allocate(seq, num_tokens)
+        finally:
+            self.t.ns["allocate"] += perf_ns() - t0
+        self.t.blocks["allocate"] += need
+
+    def commit(self, seq: Any, num_tokens: int) -> None:
+        before = seq.num_committed_tokens // self.b
+        t0 = perf_ns()
+        self.cache.commit(seq, num_tokens)
+        self.t.ns["commit"] += perf_ns() - t0
+        self.t.blocks["commit"] += num_tokens // self.b - before
+
+    def release(self, seq: Any) -> None:
+        n = len(seq.block_ids)
+        t0 = perf_ns()
+        self.cache.release(seq)
+        self.t.ns["release"] += perf_ns() - t0
+        self.t.blocks["release"] += n
+
+    def _other(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = perf_ns()
+        try:
+            return fn(*args)
+        finally:
+            self.t.other_ns += perf_ns() - t0
+
+    def append(self, seq: Any, tokens: list[int]) -> None:
+        self._other(self.cache.append, seq, tokens)
+
+    def abort(self, seq: Any) -> None:
+        self._other(self.cache.abort, seq)
+
+    def poll(self) -> int:
+        return int(self._other(self.cache.poll))
+
+
+def make_blocktrie(block_size: int, capacity: int) -> Any:
+    from cache import BlockTrie, CacheConfig
+
+    return BlockTrie(
+        CacheConfig(
+            block_size=block_size, num_blocks=capacity, kv_block_shape=None, enable_events=False
+        )
+    )
+
+
+def make_dicttrie(block_size: int, capacity: int) -> Any:
+    return DictTrie(block_size, capacity)
+
+
+IMPLS: dict[str, Callable[[int, int], Any]] = {
+    "blocktrie": make_blocktrie,
+    "dict-trie": make_dicttrie,
+}
+
+
+# --------------------------------------------------------------------------
+# Section: replay
+
+
+def bench_replay(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    workload = load_workload(args)
+    b = args.block_size
+    count = count_prefix_hits(workload, b, args.max_decode_tokens)
+    unbounded = count.unique_blocks + (args.concurrency + 1) * (count.max_request_blocks + 1)
+    console.print(
+        f"[bold]replay[/bold]: {workload.description}; {len(workload):,} requests, "
+        f"{workload.prompt_tokens:,} prompt tokens, block size {b}; never evicts at "
+        f"{unbounded:,} blocks; unbounded hit rate {count.hit_rate:.2%}"
+    )
+    table = Table(title="per-block cost (ns) of each operation", show_lines=False)
+    for col in ("capacity", "impl", "hit rate", *OPS, "total/block", "vs dict", "peak MiB"):
+        table.add_column(col, justify="right" if col != "impl" else "left")
+    rows = []
+    for frac in args.capacities:
+        cap = max(64, int(unbounded * frac))
+        totals: dict[str, float] = {}
+        for name, make in IMPLS.items():
+            gc.collect()
+            timed = TimedCache(make(b, cap), b)
+            result = replay(
+                workload,
+                timed,
+                block_size=b,
+                capacity=cap,
+                concurrency=args.concurrency,
+                max_decode_tokens=args.max_decode_tokens,
+            )
+            per_block_total = timed.t.total_ns / result.blocks if result.blocks else 0.0
+            totals[name] = per_block_total
+            peak = measure_peak(workload, make, b, cap, args) if args.memory else None
+            row = {
+                "capacity": cap,
+                "fraction": frac,
+                "impl": name,
+                "hit_rate": result.hit_rate,
+                "evicted_blocks": result.evicted_blocks,
+                "rejected": result.rejected,
+                **{f"{op}_ns_per_block": timed.t.per_block(op) for op in OPS},
+                **{f"{op}_blocks": timed.t.blocks[op] for op in OPS},
+                "total_ns_per_block": per_block_total,
+                "peak_mib": peak,
+            }
+            rows.append(row)
+            ratio = per_block_total / totals["blocktrie"] if name != "blocktrie" else None
+            table.add_row(
+                f"{cap:,} ({frac:g})",
+                name,
+                f"{result.hit_rate:.2%}",
+                *(f"{timed.t.per_block(op):,.0f}" for op in OPS),
+                f"{per_block_total:,.0f}",
+                "" if ratio is None else f"{1 / ratio:.2f}x",
+                "-" if peak is None else f"{peak:,.1f}",
+            )
+        # "vs dict" on the blocktrie row: blocktrie total / dict-trie total.
+        ratio = totals["blocktrie"] / totals["dict-trie"] if totals["dict-trie"] else float("nan")
+        rows[-2]["vs_dict"] = ratio
+        console.print(
+            f"  capacity {cap:,}: blocktrie / dict-trie total cost per block = {ratio:.2f}x",
+            highlight=False,
+        )
+    console.print(table)
+    console.print(
+        "[dim]per-block denominators: match = prompt blocks looked up; allocate = blocks "
+        "taken; commit = blocks committed; release = blocks released; evict = blocks "
+        "evicted; total = all time (incl. append/poll) / prompt+decode blocks. "
+        "'vs dict' on the dict-trie row = blocktrie total / dict-trie total.[/dim]"
+    )
+    out["replay"] = {"workload": workload.description, "unbounded_blocks": unbounded, "rows": rows}
+
+
+def measure_peak(
+    workload: Workload[Any],
+    make: Callable[[int, int], Any],
+    b: int,
+    cap: int,
+    args: argparse.Namespace,
+) -> float:
+    """Peak traced Python memory (MiB) of an untimed replay, including the workload's tokens."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        cache = make(b, cap)
+        replay(
+            workload,
+            cache,
+            block_size=b,
+            capacity=cap,
+            concurrency=args.concurrency,
+            max_decode_tokens=args.max_decode_tokens,
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del cache
+    return peak / 2**20
+
+
+def load_workload(args: argparse.Namespace) -> Workload[Any]:
+    if args.trace:
+        w = load_trace(args.trace, "auto", args.trace_block_tokens)
+    else:
+        w = synthetic_workload(SyntheticParams(users=args.users, seed=args.seed))
+    return w.head(args.limit) if args.limit else w
+
+
+# --------------------------------------------------------------------------
+# Section: eviction cost vs cache size
+
+
+def fill(cache: Any, n_blocks: int, b: int, chain: int) -> None:
+    """Cache `n_blocks` idle blocks as chains of `chain` blocks (distinct first tokens)."""
+    positions = list(range(1, b * chain))
+    base = b * chain
+    for s in range(n_blocks // chain):
+        tokens = [base + s, *positions]
+        seq = cache.match(tokens)
+        cache.allocate(seq, len(tokens))
+        cache.commit(seq, len(tokens))
+        cache.release(seq)
+
+
+def bench_evict(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    b, chain, batch = 16, 16, 32
+    table = Table(
+        title=f"eviction cost per block (idle chains of {chain} blocks, evict({batch}) calls)"
+    )
+    for col in ("cached blocks", "impl", "evicted", "ns/block", "build s"):
+        table.add_column(col, justify="right" if col != "impl" else "left")
+    results: dict[str, dict[int, float]] = {name: {} for name in IMPLS}
+    for n in args.eviction_sizes:
+        for name, make in IMPLS.items():
+            gc.collect()
+            cache = make(b, n + chain)
+            t0 = time.perf_counter()
+            fill(cache, n, b, chain)
+            build = time.perf_counter() - t0
+            assert cache.num_cached_blocks == n // chain * chain
+            target = min(n // 2, args.evict_blocks)
+            freed = 0
+            ns = 0
+            while freed < target:
+                t1 = perf_ns()
+                got = cache.evict(batch)
+                ns += perf_ns() - t1
+                if got == 0:
+                    break
+                freed += got
+            per = ns / freed if freed else float("nan")
+            results[name][n] = per
+            table.add_row(f"{n:,}", name, f"{freed:,}", f"{per:,.0f}", f"{build:.1f}")
+            del cache
+    console.print(table)
+    summary = {}
+    for name, by_size in results.items():
+        values = list(by_size.values())
+        spread = max(values) / min(values) if values else float("nan")
+        summary[name] = spread
+        console.print(
+            f"  {name}: max/min eviction cost per block across sizes = {spread:.2f}x "
+            f"({'flat' if spread <= 1.5 else 'NOT flat'} by the 1.5x target)",
+            highlight=False,
+        )
+    ratios = {n: results["blocktrie"][n] / results["dict-trie"][n] for n in args.eviction_sizes}
+    console.print(
+        "  blocktrie / dict-trie eviction cost: "
+        + ", ".join(f"{n:,}: {r:.2f}x" for n, r in ratios.items()),
+        highlight=False,
+    )
+    out["evict"] = {
+        "ns_per_block": {k: {str(n): v for n, v in d.items()} for k, d in results.items()},
+        "spread": summary,
+        "ratio_to_dict": {str(n): r for n, r in ratios.items()},
+    }
+
+
+# --------------------------------------------------------------------------
+# Section: checkpoint save / restore throughput
+
+
+def bench_ckpt(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from cache import BlockTrie, CacheConfig
+
+    device = torch.device(args.device)
+    layers = args.state_layers
+    elems = int(args.state_layer_mib * 2**20) // 4
+    shapes = {f"layer{i:02d}": (elems,) for i in range(layers)}
+    state_bytes = layers * elems * 4
+    slots = args.ckpt_slots
+    b = 16
+    n_anchor = 2 * slots + 1  # more anchors than slots: every save recycles an LRU slot
+    config = CacheConfig(
+        block_size=b,
+        num_blocks=4 * n_anchor + 8,
+        kv_block_shape=None,
+        num_checkpoint_slots=slots,
+        state_shapes=shapes,
+        state_dtype=torch.float32,
+        device=device,
+        enable_events=False,
+    )
+    trie = BlockTrie(config)
+    src = {k: torch.randn(s, device=device) for k, s in shapes.items()}
+    dst = {k: torch.empty(s, device=device) for k, s in shapes.items()}
+    total_mib = (slots + 2) * state_bytes / 2**20
+    console.print(
+        f"[bold]checkpoints[/bold]: {layers} layers x {args.state_layer_mib:g} MiB = "
+        f"{state_bytes / 2**20:.0f} MiB per checkpoint, {slots} slots, device {device}; "
+        f"~{total_mib:,.0f} MiB of state allocated"
+    )
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    tokens = list(range(1, n_anchor * b + 2))
+    owner = trie.match(tokens)
+    trie.allocate(owner, len(tokens))
+    trie.commit(owner, len(tokens))
+    iters = args.ckpt_iters
+    pool = trie.checkpoint_states
+    anchor = [1]  # next anchor (block index) to save at; cycles over more anchors than slots
+
+    def time_saves(n: int) -> tuple[int, float]:
+        done = 0
+        t0 = time.perf_counter()
+        while done < n:
+            copy = trie.save(owner, anchor[0] * b, src)
+            sync()
+            trie.poll()
+            done += copy is not None
+            anchor[0] = anchor[0] % n_anchor + 1
+        return done, time.perf_counter() - t0
+
+    def time_restores(n: int) -> tuple[int, float]:
+        done = 0
+        secs = 0.0
+        back = 1
+        while done < n:
+            # The most recently saved checkpoints are still present; match one of them.
+            step = ((anchor[0] - 1 - back) % n_anchor + 1) * b
+            back = back % slots + 1
+            seq = trie.match(tokens[: step + 1])
+            if seq.restore is None:
+                trie.abort(seq)
+                continue
+            t0 = time.perf_counter()
+            trie.restore(seq, dst)
+            sync()
+            trie.poll()
+            secs += time.perf_counter() - t0
+            trie.release(seq)
+            done += 1
+        return done, secs
+
+    def time_plain(n: int, into_pool: bool) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for i in range(n):
+            slot = i % slots
+            for name, tensor in (src if into_pool else dst).items():
+                if into_pool:
+                    pool[name][slot].copy_(tensor)
+                else:
+                    tensor.copy_(pool[name][slot])
+            sync()
+        return n, time.perf_counter() - t0
+
+    # Warm up: touch every slot and buffer once (first-touch page faults are not copies).
+    time_saves(slots + 1)
+    time_restores(2)
+    # The copies really move the bytes: a slot holds `src`, and a restore filled `dst`.
+    first = next(iter(shapes))
+    if not any(torch.equal(pool[first][i], src[first]) for i in range(slots)):
+        raise RuntimeError("checkpoint save did not copy the state into a slot")
+    if not torch.equal(dst[first], src[first]):
+        raise RuntimeError("checkpoint restore did not copy the state back")
+    time_plain(slots, True)
+    time_plain(2, False)
+    best: dict[str, tuple[int, float]] = {}
+    for _ in range(args.repeats):  # interleaved, best of N
+        runs: list[tuple[str, Callable[[], tuple[int, float]]]] = [
+            ("save", lambda: time_saves(iters)),
+            ("plain_save", lambda: time_plain(iters, True)),
+            ("restore", lambda: time_restores(iters)),
+            ("plain_restore", lambda: time_plain(iters, False)),
+        ]
+        for key, fn in runs:
+            n, secs = fn()
+            if key not in best or n / secs > best[key][0] / best[key][1]:
+                best[key] = (n, secs)
+    trie.release(owner)
+
+    table = Table(title="checkpoint copy throughput")
+    for col in ("operation", "copies/s", "GiB/s", "vs plain copy_"):
+        table.add_column(col, justify="right" if col != "operation" else "left")
+    rows = {}
+    for name in ("save", "restore"):
+        cps = best[name][0] / best[name][1]
+        plain_cps = best["plain_" + name][0] / best["plain_" + name][1]
+        rows[name] = {
+            "copies_per_s": cps,
+            "bytes_per_s": cps * state_bytes,
+            "plain_copies_per_s": plain_cps,
+            "plain_bytes_per_s": plain_cps * state_bytes,
+            "ratio": cps / plain_cps,
+        }
+        table.add_row(
+            f"blocktrie {name}",
+            f"{cps:,.1f}",
+            f"{cps * state_bytes / 2**30:,.2f}",
+            f"{cps / plain_cps:.2f}x",
+        )
+        table.add_row(
+            f"plain copy_ ({name} direction)",
+            f"{plain_cps:,.1f}",
+            f"{plain_cps * state_bytes / 2**30:,.2f}",
+            "1.00x",
+        )
+    console.print(table)
+    out["ckpt"] = {
+        "state_bytes": state_bytes,
+        "layers": layers,
+        "slots": slots,
+        "device": str(device),
+        **rows,
+    }
+
+
+# --------------------------------------------------------------------------
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(float(x)) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--sections", default="replay,evict,ckpt", help="comma-separated: replay, evict, ckpt"
+    )
+    p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
+    p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--users", type=int, default=SyntheticParams().users, help="built-in workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-decode-tokens", type=int)
+    p.add_argument(
+        "--capacities",
+        type=_floats,
+        default=[0.1, 0.25, 0.5, 1.0],
+        help="fractions of the never-evicting capacity",
+    )
+    p.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="skip the tracemalloc peak-memory runs",
+    )
+    p.add_argument("--eviction-sizes", type=_ints, default=[1000, 10_000, 100_000, 1_000_000])
+    p.add_argument(
+        "--evict-blocks",
+        type=int,
+        default=8192,
+        help="blocks evicted per size (at most half the cache)",
+    )
+    p.add_argument("--state-layers", type=int, default=64)
+    p.add_argument("--state-layer-mib", type=float, default=2.0)
+    p.add_argument("--ckpt-slots", type=int, default=8)
+    p.add_argument("--ckpt-iters", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3, help="ckpt: best of N interleaved runs")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    return p
+
+
+console: Any = None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    global console
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    console = Console(width=160 if not sys.stdout.isatty() else None, highlight=False)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    for name in sections:
+        t0 = time.perf_counter()
+        {"replay": bench_replay, "evict": bench_evict, "ckpt": bench_ckpt}[name](args, out)
+        console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""The replay loop: drive a workload through a prefix cache the way an engine does.
+
+For each request, in order:
+
+1. ``seq = cache.match(prompt, namespace)``; SSM: ``restore`` from the hit checkpoint.
+2. ``allocate(seq, len(prompt))``. When the pool is short even after eviction
+   (`OutOfBlocks`), the requests still in the concurrency window are released
+   and the allocation retried; if it still fails the request is rejected
+   (``abort``), counted, and its prompt counts as a miss.
+3. Prefill. SSM: at each step the `CheckpointPolicy` chooses, ``commit`` up to
+   the step then ``save`` the state there. Then ``commit(seq, len(prompt))``.
+4. Decode: ``append`` the output tokens (up to `max_decode_tokens`),
+   ``allocate`` and ``commit`` them (as far as the pool allows). SSM with the
+   ``decode-end`` policy: ``save`` at the last block boundary decode crossed.
+5. The request joins the window of `concurrency` live requests; the oldest is
+   ``release``d when the window is full. ``poll()`` runs once per request.
+
+The loop is written against the cache's public API only, so the benchmark can
+pass a timing proxy or a baseline trie with the same methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from cache.workload import Request, Workload
+from spec.errors import OutOfBlocks
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
+    "STATE_SHAPES",
+    "CacheLike",
+    "CheckpointPolicy",
+    "ReplayResult",
+    "make_cache",
+    "make_state",
+    "replay",
+    "run_replay",
+]
+
+POLICY_NAMES: tuple[str, ...] = (
+    "every-block",
+    "every-n",
+    "chunk-boundaries",
+    "prompt-end",
+    "branch-points",
+    "decode-end",
+    "spare-slots",
+)
+"""Checkpoint placements; combine them with '+' (e.g. ``branch-points+prompt-end``).
+``spare-slots`` is a modifier: the periodic placements (every-block, every-n,
+chunk-boundaries) only use free slots and never evict another checkpoint."""
+
+DEFAULT_POLICY = "branch-points+prompt-end+decode-end+every-n"
+"""The placement the planner uses unless told otherwise (the best in docs/replay.md)."""
+
+STATE_SHAPES: dict[str, tuple[int, ...]] = {"ssm": (1,)}
+"""Tiny per-slot SSM state for planning: the slot count matters, not the bytes."""
+
+
+class CacheLike(Protocol):
+    """The part of the `BlockTrie` API the replay uses."""
+
+    def match(self, tokens: list[int], namespace: str = "") -> Any: ...
+    def append(self, seq: Any, tokens: list[int]) -> None: ...
+    def allocate(self, seq: Any, num_tokens: int) -> None: ...
+    def commit(self, seq: Any, num_tokens: int) -> None: ...
+    def release(self, seq: Any) -> None: ...
+    def abort(self, seq: Any) -> None: ...
+    def poll(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where a request saves SSM checkpoints (steps are token counts).
+
+    - ``every-block``: every block boundary the prefill computes.
+    - ``every-n``: every multiple of `interval` tokens the prefill computes.
+    - ``chunk-boundaries``: the end of every `chunk`-token prefill chunk
+      (counted from the cache hit) and the prompt end.
+    - ``prompt-end``: the last block boundary of the prompt (where the KV a
+      later request can reuse ends).
+    - ``branch-points``: ``seq.branch_step``, where the request leaves the
+      cached KV path; the next request sharing that prefix hits it.
+    - ``decode-end``: the last block boundary decode crossed (the next turn of
+      a conversation contains this request's output).
+    - ``spare-slots`` (modifier): steps chosen only by the periodic placements
+      are saved only while a slot is free, so they never evict a checkpoint.
+
+    Only steps past the cache hit are saved: the state before it was never
+    computed by this request.
+    """
+
+    parts: tuple[str, ...]
+    interval: int = 128
+    chunk: int = 2048
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a checkpoint policy needs at least one placement")
+        for part in self.parts:
+            if part not in POLICY_NAMES:
+                raise ValueError(
+                    f"unknown checkpoint placement {part!r} (choose from {', '.join(POLICY_NAMES)})"
+                )
+        if self.interval < 1 or self.chunk < 1:
+            raise ValueError("checkpoint interval and chunk size must be >= 1 token")
+
+    @classmethod
+    def parse(cls, spec: str, interval: int = 128, chunk: int = 2048) -> CheckpointPolicy:
+        """A policy from ``part[+part...]``, e.g. ``branch-points+prompt-end``."""
+        parts = tuple(dict.fromkeys(p.strip() for p in spec.split("+") if p.strip()))
+        return cls(parts, interval, chunk)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.parts)
+
+    @property
+    def decode_end(self) -> bool:
+        return "decode-end" in self.parts
+
+    @property
+    def spare_slots(self) -> bool:
+        return "spare-slots" in self.parts
+
+    def prefill_steps(
+        self, prompt_len: int, hit: int, branch_step: int, block_size: int
+    ) -> list[int]:
+        """Sorted steps in ``(hit, prompt_len]`` to checkpoint during prefill."""
+        return sorted(self.plan(prompt_len, hit, branch_step, block_size))
+
+    def plan(self, prompt_len: int, hit: int, branch_step: int, block_size: int) -> dict[int, bool]:
+        """Steps in ``(hit, prompt_len]`` -> whether the step is essential.
+
+        A step is essential unless only a periodic placement chose it and the
+        policy has ``spare-slots`` (then it is saved only into a free slot).
+        """
+        b = block_size
+        periodic: set[int] = set()
+        essential: set[int] = set()
+        for part in self.parts:
+            if part == "every-block":
+                periodic.update(range((hit // b + 1) * b, prompt_len + 1, b))
+            elif part == "every-n":
+                n = self.interval
+                periodic.update(range((hit // n + 1) * n, prompt_len + 1, n))
+            elif part == "chunk-boundaries":
+                periodic.update(range(hit + self.chunk, prompt_len, self.chunk))
+                periodic.add(prompt_len)
+            elif part == "prompt-end":
+                essential.add(prompt_len // b * b)
+            elif part == "branch-points":
+                essential.add(branch_step)
+        if not self.spare_slots:
+            essential |= periodic
+        return {s: s in essential for s in essential | periodic if hit < s <= prompt_len}
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured. `to_dict` is the --json form."""
+
+    workload: str
+    block_size: int
+    capacity: int
+    state_slots: int
+    policy: str  # "kv" for attention-only, else the checkpoint policy
+    concurrency: int
+    requests: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    decode_tokens: int = 0
+    evicted_blocks: int = 0
+    evicted_checkpoints: int = 0
+    checkpoint_hits: int = 0
+    checkpoints_saved: int = 0
+    checkpoints_skipped: int = 0
+    peak_pins: int = 0
+    peak_pinned_blocks: int = 0
+    """Most distinct KV blocks held by live requests at once (not evictable)."""
+    peak_cached_blocks: int = 0
+    peak_used_blocks: int = 0
+    blocks: int = 0
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tokens_saved(self) -> int:
+        """Prompt tokens served from cache instead of recomputed."""
+        return self.hit_tokens
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.decode_tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def us_per_block(self) -> float:
+        """Replay wall time per block of prompt and decode (a cost per block)."""
+        return self.wall_s * 1e6 / self.blocks if self.blocks else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        extra = out.pop("extra")
+        out.update(
+            hit_rate=self.hit_rate,
+            tokens_saved=self.tokens_saved,
+            requests_per_s=self.requests_per_s,
+            tokens_per_s=self.tokens_per_s,
+            us_per_block=self.us_per_block,
+        )
+        out.update(extra)
+        return out
+
+
+def make_cache(block_size: int, capacity: int, state_slots: int = 0) -> Any:
+    """An ids-only `BlockTrie` for planning: no KV storage, tiny state, no events."""
+    from cache import BlockTrie, CacheConfig
+
+    config = CacheConfig(
+        block_size=block_size,
+        num_blocks=capacity,
+        kv_block_shape=None,
+        num_checkpoint_slots=state_slots,
+        state_shapes=STATE_SHAPES if state_slots else {},
+        enable_events=False,
+    )
+    return BlockTrie(config)
+
+
+def make_state(
+    state_shapes: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """A runtime state for one sequence: zeros of each named shape."""
+    return {
+        name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in state_shapes.items()
+    }
+
+
+def _stat(stats: Any, name: str) -> int:
+    value = getattr(stats, name, 0) if stats is not None else 0
+    return int(value) if isinstance(value, int) else 0
+
+
+def replay(
+    workload: Iterable[Request],
+    cache: CacheLike,
+    *,
+    block_size: int,
+    capacity: int,
+    concurrency: int = 32,
+    max_decode_tokens: int | None = None,
+    policy: CheckpointPolicy | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
+    state_slots: int = 0,
+    progress: Callable[[int], None] | None = None,
+    name: str = "",
+) -> ReplayResult:
+    """Replay `workload` through `cache` (see the module docstring).
+
+    `policy` None replays attention-only; otherwise the cache must have
+    checkpoint slots and `state` is the runtime state passed to save/restore.
+    `progress(n)` is called with the number of requests done, every 64.
+    """
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    b = block_size
+    result = ReplayResult(
+        workload=name or getattr(workload, "name", "workload"),
+        block_size=b,
+        capacity=capacity,
+        state_slots=state_slots,
+        policy=policy.name if policy is not None else "kv",
+        concurrency=concurrency,
+    )
+    runtime: Mapping[str, torch.Tensor] = state if state is not None else {}
+    save = getattr(cache, "save", None)
+    restore = getattr(cache, "restore", None)
+    if policy is not None and (save is None or restore is None):
+        raise ValueError("an SSM replay needs a cache with save and restore")
+    free_slots: Callable[[], int] | None = None
+    if hasattr(cache, "num_free_checkpoint_slots"):
+
+        def free_slots() -> int:
+            return int(cache.num_free_checkpoint_slots)
+
+    window: deque[Any] = deque()
+    window_blocks: deque[list[int]] = deque()
+    held: dict[int, int] = {}  # block id -> live requests whose block table holds it
+    peak_held = peak_cached = peak_used = 0
+    requests = rejected = prompt_tokens = hit_tokens = decode_tokens = ckpt_hits = nblocks = 0
+    pools: Any = cache if hasattr(cache, "num_free_blocks") else None
+    poll = cache.poll
+    t0 = time.perf_counter()
+
+    def leave() -> None:
+        cache.release(window.popleft())
+        for block in window_blocks.popleft():
+            left = held[block] - 1
+            if left:
+                held[block] = left
+            else:
+                del held[block]
+
+    def release_window() -> None:
+        while window:
+            leave()
+
+    def allocate(seq: Any, n: int) -> bool:
+        try:
+            cache.allocate(seq, n)
+            return True
+        except OutOfBlocks:
+            if not window:
+                return False
+        release_window()
+        try:
+            cache.allocate(seq, n)
+            return True
+        except OutOfBlocks:
+            return False
+
+    for req in workload:
+        poll()
+        if len(window) >= concurrency:
+            leave()
+        prompt = req.prompt
+        plen = len(prompt)
+        requests += 1
+        prompt_tokens += plen
+        seq = cache.match(prompt, req.namespace)
+        if not allocate(seq, plen):
+            cache.abort(seq)
+            rejected += 1
+            continue
+        hit = seq.num_cached_tokens
+        hit_tokens += hit
+        if policy is not None:
+            assert save is not None and restore is not None
+            if seq.restore is not None:
+                ckpt_hits += 1
+                restore(seq, runtime)
+            plan = policy.plan(plen, hit, seq.branch_step, b)
+            for step in sorted(plan):
+                if not plan[step] and free_slots is not None and free_slots() == 0:
+                    continue
+                cache.commit(seq, step)
+                save(seq, step, runtime)
+        cache.commit(seq, plen)
+        total = plen
+        output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
+        if output:
+            cache.append(seq, output)
+            want = plen + len(output)
+            if not allocate(seq, want):
+                # As far as the pool allows, one block at a time.
+                n = len(seq.block_ids) * b
+                while n < want:
+                    n = min(n + b, want)
+                    try:
+                        cache.allocate(seq, n)
+                    except OutOfBlocks:
+                        break
+                want = min(want, len(seq.block_ids) * b)
+            cache.commit(seq, want)
+            total = want
+            decode_tokens += want - plen
+            if policy is not None and policy.decode_end:
+                assert save is not None
+                step = (total - 1) // b * b
+                if step > plen and step > hit:
+                    save(seq, step, runtime)
+        nblocks += -(-total // b)
+        blocks_here = list(seq.block_ids)
+        window.append(seq)
+        window_blocks.append(blocks_here)
+        for block in blocks_here:
+            held[block] = held.get(block, 0) + 1
+        if len(held) > peak_held:
+            peak_held = len(held)
+        if pools is not None:
+            free = pools.num_free_blocks
+            cached = pools.num_cached_blocks
+            if cached > peak_cached:
+                peak_cached = cached
+            if capacity - free > peak_used:
+                peak_used = capacity - free
+        if progress is not None and requests % 64 == 0:
+            progress(requests)
+    release_window()
+    poll()
+    result.wall_s = time.perf_counter() - t0
+    if progress is not None:
+        progress(requests)
+    stats = getattr(cache, "stats", None)
+    result.requests = requests
+    result.rejected = rejected
+    result.prompt_tokens = prompt_tokens
+    result.hit_tokens = hit_tokens
+    result.decode_tokens = decode_tokens
+    result.checkpoint_hits = ckpt_hits
+    result.blocks = nblocks
+    result.evicted_blocks = _stat(stats, "evicted_blocks")
+    result.evicted_checkpoints = _stat(stats, "evicted_checkpoints")
+    result.checkpoints_saved = _stat(stats, "checkpoints_saved")
+    result.checkpoints_skipped = _stat(stats, "checkpoints_skipped")
+    result.peak_pins = _stat(stats, "peak_pins")
+    result.peak_pinned_blocks = peak_held
+    result.peak_cached_blocks = peak_cached
+    result.peak_used_blocks = peak_used
+    return result
+
+
+def run_replay(
+    workload: Workload[Any],
+    *,
+    block_size: int,
+    capacity: int,
+    concurrency: int = 32,
+    max_decode_tokens: int | None = None,
+    policy: CheckpointPolicy | None = None,
+    state_slots: int = 0,
+    progress: Callable[[int], None] | None = None,
+    check: bool = False,
+) -> ReplayResult:
+    """Build an ids-only `BlockTrie` of `capacity` blocks (and `state_slots` for SSM) and replay."""
+    if policy is not None and state_slots < 1:
+        raise ValueError("an SSM replay needs at least one state slot")
+    slots = state_slots if policy is not None else 0
+    cache = make_cache(block_size, capacity, slots)
+    result = replay(
+        workload,
+        cache,
+        block_size=block_size,
+        capacity=capacity,
+        concurrency=concurrency,
+        max_decode_tokens=max_decode_tokens,
+        policy=policy,
+        state=make_state(STATE_SHAPES) if slots else None,
+        state_slots=slots,
+        progress=progress,
+        name=workload.name,
+    )
+    if check:
+        cache.check()
+    return result

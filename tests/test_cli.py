@@ -1,0 +1,236 @@
+"""The `blocktrie` command line: replay on the built-in workload and on trace fixtures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache.cli import main
+from cache.workload import SyntheticParams, count_prefix_hits, load_mooncake, synthetic_workload
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MOONCAKE = FIXTURES / "mooncake_small.jsonl"
+TOKENS = FIXTURES / "tokens_small.jsonl"
+SMALL = [
+    "--users",
+    "6",
+    "--turns",
+    "2",
+    "--system-tokens",
+    "64",
+    "--user-tokens",
+    "16",
+    "--output-tokens",
+    "12",
+    "--tool-result-tokens",
+    "24",
+]
+REQUIRED = ("requests", "prompt_tokens", "hit_tokens", "hit_rate", "evicted_blocks")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    doc: dict[str, Any] = json.loads(out)  # exactly one JSON object, nothing else
+    assert err == ""
+    return doc
+
+
+def test_builtin_workload_json(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "replay", *SMALL)
+    for key in REQUIRED:
+        assert key in doc
+    w = synthetic_workload(
+        SyntheticParams(
+            users=6,
+            turns=2,
+            system_tokens=64,
+            user_tokens=16,
+            output_tokens=12,
+            tool_result_tokens=24,
+        )
+    )
+    assert doc["requests"] == len(w)
+    assert doc["prompt_tokens"] == w.prompt_tokens
+    assert doc["hit_rate"] == pytest.approx(doc["hit_tokens"] / doc["prompt_tokens"])
+    assert doc["hit_tokens"] == count_prefix_hits(w, 16).hit_tokens  # unbounded by default
+    assert doc["evicted_blocks"] == 0 and doc["policy"] == "kv"
+
+
+def test_builtin_workload_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "replay", *SMALL, "--capacity", "64")
+    assert code == 0, err
+    for word in (
+        "requests",
+        "prompt tokens",
+        "hit rate",
+        "tokens saved",
+        "evictions",
+        "peak pins",
+        "throughput",
+    ):
+        assert word in out
+    assert err == ""  # no progress bar when stderr is not a terminal
+
+
+def test_trace_fixture_infinite_capacity_matches_count(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(
+        capsys,
+        "replay",
+        "--trace",
+        str(MOONCAKE),
+        "--trace-block-tokens",
+        "16",
+        "--block-size",
+        "4",
+    )
+    count = count_prefix_hits(load_mooncake(MOONCAKE, 16), 4)
+    assert doc["requests"] == count.requests == 27
+    assert doc["hit_tokens"] == count.hit_tokens > 0
+    assert doc["hit_rate"] == pytest.approx(count.hit_rate)
+    assert doc["unbounded_hit_rate"] == pytest.approx(count.hit_rate)
+    doc = run_json(capsys, "replay", "--trace", str(TOKENS), "--block-size", "4", "--check")
+    assert doc["requests"] == 16 and doc["hit_tokens"] > 0
+
+
+def test_sweep_with_ssm_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "sweep.png"
+    doc = run_json(
+        capsys,
+        "replay",
+        "--trace",
+        str(MOONCAKE),
+        "--trace-block-tokens",
+        "16",
+        "--block-size",
+        "4",
+        "--sweep",
+        "20,40,400",
+        "--ssm",
+        "--ckpt-policy",
+        "prompt-end,branch-points+prompt-end",
+        "--sweep-blocks-per-slot",
+        "4,8",
+        "--plot",
+        str(plot),
+        "--concurrency",
+        "2",
+    )
+    runs = doc["runs"]
+    assert len(runs) == 3 * (1 + 2 * 2)
+    assert {r["capacity"] for r in runs} == {20, 40, 400}
+    assert {r["policy"] for r in runs} == {"kv", "prompt-end", "branch-points+prompt-end"}
+    for r in runs:
+        assert r["state_slots"] == (
+            0 if r["policy"] == "kv" else r["capacity"] // r["blocks_per_slot"]
+        )
+        if r["policy"] != "kv":
+            assert "hit_rate_vs_kv" in r
+    kv = [r for r in runs if r["policy"] == "kv"]
+    assert kv[0]["hit_rate"] <= kv[-1]["hit_rate"]
+    assert doc["capacity"] == 400 and doc["policy"] != "kv"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["sweep.png"]  # no temp file left
+
+
+def test_sweep_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys,
+        "replay",
+        *SMALL,
+        "--sweep",
+        "30,60,2k",
+        "--ssm",
+        "--kv-bytes-per-token",
+        "131072",
+        "--state-bytes-per-slot",
+        "1048576",
+    )
+    assert code == 0, err
+    assert "vs KV" in out and "ckpt hits" in out and "MiB" in out
+    assert "capacity" in out
+
+
+def test_malformed_trace_names_line_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    lines = MOONCAKE.read_text().splitlines()
+    lines.insert(
+        5, '{"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": [0, "x"]}'
+    )
+    bad.write_text("\n".join(lines) + "\n")
+    plot = tmp_path / "out.png"
+    code, out, err = run(
+        capsys,
+        "replay",
+        "--trace",
+        str(bad),
+        "--trace-block-tokens",
+        "16",
+        "--plot",
+        str(plot),
+        "--json",
+    )
+    assert code == 2
+    assert out == ""
+    assert f"{bad}:6:" in err and "hash_ids[1]" in err
+    assert not plot.exists()
+
+
+def test_missing_trace_and_bad_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    code, out, err = run(capsys, "replay", "--trace", str(missing))
+    assert code == 2 and out == "" and f"{missing}: no such trace file" in err
+    code, _out, err = run(capsys, "replay", "--plot", str(tmp_path / "nodir" / "p.png"), *SMALL)
+    assert code == 2 and "does not exist" in err
+    code, _out, err = run(capsys, "replay", "--state-slots", "4")
+    assert code == 2 and "--ssm" in err
+    for argv in (
+        ["replay", "--sweep", "1,x"],
+        ["replay", "--capacity", "0"],
+        ["replay", "--ckpt-policy", "nope"],
+        ["replay", "--agentic", "2"],
+        [],
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        capsys.readouterr()
+
+
+def test_console_script_module(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cache.cli", "replay", *SMALL, "--json", "--progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["requests"] > 0
+    assert proc.stderr == ""  # --json never shows progress
+
+
+def test_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "replay", *SMALL, "--progress")
+    assert code == 0 and "hit rate" in out
+    assert "req" in err  # tqdm wrote to stderr
+
+
+def test_demo_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("cache.demo")
+    code, out, _err = run(capsys, "demo")
+    assert code == 0 and out.strip()
