@@ -320,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=_cmd_replay)
 
     dm = sub.add_parser(
-        "demo", help="the pinned-checkpoint eviction bug, and how blocktrie stops it"
+        "demo",
+        help="serve a tiny hybrid model over a short chat; check outputs equal cold runs",
     )
+    dm.add_argument("--seed", type=int, default=0, help="model weights and chat seed")
     dm.set_defaults(func=_cmd_demo)
     return parser
 
@@ -743,9 +745,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import importlib
 
     demo = importlib.import_module("cache.demo")  # lazily: only this subcommand needs it
-    result = demo.run_demo()
+    result = demo.run_demo(seed=args.seed)
     print(demo.format_demo(result))
-    return 0
+    return 0 if result.identical else 1
 
 
 # --------------------------------------------------------------------------

@@ -234,3 +234,21 @@ def test_demo_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("cache.demo")
     code, out, _err = run(capsys, "demo")
     assert code == 0 and out.strip()
+    assert "outputs identical to cold runs: yes" in out
+
+
+def test_demo_fails_when_outputs_differ(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    import cache.demo
+
+    real = cache.demo.run_demo
+
+    def differing(seed: int = 0) -> cache.demo.DemoResult:
+        return dataclasses.replace(real(seed), identical=False)
+
+    monkeypatch.setattr(cache.demo, "run_demo", differing)
+    code, out, _err = run(capsys, "demo")
+    assert code == 1 and "outputs identical to cold runs: no" in out
