@@ -377,7 +377,7 @@ class BlockTrie:
         refs = self._kv.refs
         count = 0
         gone: dict[int, int] = {}
-        for leaf in self._evictable:
+        for leaf in self._evictable.unordered():  # any order counts the same cascade
             node: Node | None = leaf
             while node is not None and count < limit:
                 count += 1
