@@ -113,8 +113,13 @@ class Sequence:
 
     @property
     def block_ids(self) -> tuple[int, ...]:
-        """The block table: block ids covering the leading tokens."""
+        """The block table: block ids covering the leading tokens (a copy)."""
         return tuple(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        """Entries in the block table, without copying it."""
+        return len(self.blocks)
 
     def __len__(self) -> int:
         return len(self.token_list)

@@ -49,7 +49,7 @@ def test_block_table_covers_the_hit_then_allocation() -> None:
     seq = trie.match([*SYSTEM, 5, 5, 5])
     assert len(seq.block_ids) == 2
     trie.allocate(seq, 11)
-    assert len(seq.block_ids) == 3
+    assert len(seq.block_ids) == seq.num_blocks == 3
     trie.allocate(seq, 5)  # already covered: nothing happens
     assert len(seq.block_ids) == 3
     trie.check()
