@@ -5,7 +5,7 @@ Structure: per-namespace root nodes; each node owns one reference to one KV
 block; children are a dict keyed by the block's exact key (token tuple, plus
 extra identity), so Python's hash narrows and equality decides. Node and
 checkpoint states change only through the `spec.lifecycle` tables (`_settle`,
-`_ck_move`), and entering or leaving `evictable` / unpinned `published` is what
+`CheckpointStore.move`), and entering or leaving `evictable` / unpinned `published` is what
 adds or removes an object from its LRU index.
 
 Every public operation validates and plans first, then takes resources (the
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from cache.checkpoints import CheckpointStore
 from cache.config import CacheConfig
 from cache.copies import Copy, CopyEngine, DeviceCopies, Resource
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, replay
@@ -55,7 +56,6 @@ from spec.snapshot import (
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
-_PUBLISHED = CheckpointState.PUBLISHED.value
 _ROOT_STATE = "root"
 
 
@@ -73,6 +73,7 @@ class BlockTrie:
         self._ssm = config.ssm
         self._key_hash = config.key_hash
         self.faults = Faults()
+        self.stats = CacheStats()
         self._kv = KVBlockPool(
             config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
         )
@@ -89,17 +90,15 @@ class BlockTrie:
         # block id -> the attached node that owns it, to settle it when a count drops.
         self._owner: list[Node | None] = [None] * config.num_blocks
         self._evictable: LRUIndex[Node] = LRUIndex()
-        self._checkpoint_lru: LRUIndex[Checkpoint] = LRUIndex()
+        self._checkpoints = CheckpointStore(self._slots, self._kv, self.stats, self._settle, self)
         self._clock = 0
         self._node_serial = 0
-        self._checkpoint_serial = 0
         self._seq_serial = 0
         self._copy_serial = 0
         self._live: dict[int, Sequence] = {}
         self._inflight: dict[int, Copy] = {}
         self._explicit: dict[int, PinReceipt] = {}
         self._num_cached = 0
-        self.stats = CacheStats()
         self._events_on = config.enable_events
         self._events: list[Event] = []
         self._drained_view: set[int] = set()
@@ -259,42 +258,6 @@ class BlockTrie:
         if state == _EVICTABLE:
             self._evictable.add(node)
 
-    def _ck_move(self, ck: Checkpoint, trigger: str) -> None:
-        """Fire `trigger` on a checkpoint; keeps the checkpoint LRU index in step."""
-        new = CHECKPOINT.step(trigger, ck.state, ck)
-        if ck.state == _PUBLISHED:
-            self._checkpoint_lru.remove(ck)
-        ck.state = new
-        if new == _PUBLISHED:
-            self._checkpoint_lru.add(ck)
-
-    def _pin(self, ck: Checkpoint) -> PinReceipt:
-        self._ck_move(ck, "pin")
-        ck.pins += 1
-        stats = self.stats
-        stats.pins += 1
-        if stats.pins > stats.peak_pins:
-            stats.peak_pins = stats.pins
-        self._settle(ck.anchor)
-        return PinReceipt(self, ck)
-
-    def _unpin(self, receipt: PinReceipt) -> None:
-        ck = receipt.checkpoint
-        self._ck_move(ck, "unpin_last" if ck.pins == 1 else "unpin")
-        ck.pins -= 1
-        receipt.used = True
-        self.stats.pins -= 1
-        self._settle(ck.anchor)
-
-    def _drop_checkpoint(self, ck: Checkpoint, trigger: str) -> int:
-        """Release / evict / replace an unpinned checkpoint; returns KV blocks freed."""
-        self._ck_move(ck, trigger)
-        ck.anchor.checkpoint = None
-        self._slots.give(ck.slot)
-        if ck.frozen_block is not None and self._kv.decref(ck.frozen_block):
-            return 1
-        return 0
-
     # ----------------------------------------------------------------- match
 
     def match(
@@ -335,7 +298,7 @@ class BlockTrie:
         seq.path = held
         seq.blocks = [node.block for node in held]
         if ck is not None:
-            seq.match_receipt = self._pin(ck)
+            seq.match_receipt = self._checkpoints.pin(ck)
             seq.restore = RestorePoint(ck)
             self.stats.checkpoint_hits += 1
         seq.num_cached_tokens = hit
@@ -538,7 +501,7 @@ class BlockTrie:
 
     def _drop(self, seq: Sequence) -> None:
         if seq.match_receipt is not None:
-            self._unpin(seq.match_receipt)
+            self._checkpoints.unpin(seq.match_receipt)
             seq.match_receipt = None
         kv = self._kv
         for block in seq.blocks:
@@ -598,7 +561,7 @@ class BlockTrie:
         freed = 0
         ck = node.checkpoint
         if ck is not None:
-            freed += self._drop_checkpoint(ck, "evict")
+            freed += self._checkpoints.drop(ck, "evict")
             self.stats.evicted_checkpoints += 1
         parent = node.parent
         if parent is None:
@@ -618,16 +581,7 @@ class BlockTrie:
         count = int_arg("n", n)
         if count < 0:
             raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
-        return self._evict_checkpoints(count)
-
-    def _evict_checkpoints(self, count: int) -> int:
-        done = 0
-        index = self._checkpoint_lru
-        while done < count and index:
-            self._drop_checkpoint(index.oldest(), "evict")
-            done += 1
-        self.stats.evicted_checkpoints += done
-        return done
+        return self._checkpoints.evict_lru(count)
 
     def clear(self) -> None:
         """Drop every cached block and checkpoint. Needs no live sequence, copy or pin."""
@@ -642,7 +596,7 @@ class BlockTrie:
             self._evict_blocks(self._kv.capacity)
             for root in self._roots.values():
                 if root.checkpoint is not None:
-                    self._drop_checkpoint(root.checkpoint, "evict")
+                    self._checkpoints.drop(root.checkpoint, "evict")
                     self.stats.evicted_checkpoints += 1
         finally:
             self._events_on = events
@@ -693,7 +647,7 @@ class BlockTrie:
         reuse_frozen = old is not None and old.frozen_block is not None and rem > 0
         need_block = rem > 0 and not reuse_frozen
         need_slot = old is None
-        if need_slot and self._slots.num_free == 0 and not self._checkpoint_lru:
+        if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
             stats.checkpoints_skipped += 1
             return None
         if need_block and self._kv.num_free == 0 and self._reclaimable(1) < 1:
@@ -701,7 +655,7 @@ class BlockTrie:
             return None
 
         if need_slot and self._slots.num_free == 0:
-            self._evict_checkpoints(1)
+            self._checkpoints.evict_lru(1)
         if need_block:
             self._make_room(1)
         slot = self._slots.take() if old is None else old.slot
@@ -715,25 +669,12 @@ class BlockTrie:
                 raise
 
         if old is not None:
-            self._ck_move(old, "replace")
+            self._checkpoints.move(old, "replace")
             anchor.checkpoint = None
             if old.frozen_block is not None and not reuse_frozen:
                 self._kv.decref(old.frozen_block)
         self._clock += 1
-        self._checkpoint_serial += 1
-        ck = Checkpoint(
-            anchor,
-            step,
-            tail,
-            tail_extra,
-            slot,
-            frozen,
-            self._checkpoint_serial,
-            self._clock,
-            CheckpointState.ABSENT.value,
-        )
-        self._ck_move(ck, "reserve")
-        anchor.checkpoint = ck
+        ck = self._checkpoints.reserve(anchor, step, tail, tail_extra, slot, frozen, self._clock)
 
         moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, dst in self._slots.views(slot).items():
@@ -749,8 +690,8 @@ class BlockTrie:
         if frozen is not None:
             self._kv.incref(source_block)
             copy.blocks.append(source_block)
-        self._ck_move(ck, "publish")
-        copy.receipts.append(self._pin(ck))
+        self._checkpoints.move(ck, "publish")
+        copy.receipts.append(self._checkpoints.pin(ck))
         stats.checkpoints_saved += 1
         self._launch(copy)
         return copy
@@ -820,7 +761,7 @@ class BlockTrie:
     def _reap(self, copy: Copy) -> None:
         del self._inflight[copy.serial]
         for receipt in copy.receipts:
-            self._unpin(receipt)
+            self._checkpoints.unpin(receipt)
         for block in copy.blocks:
             self._kv.decref(block)
             owner = self._owner[block]
@@ -840,7 +781,7 @@ class BlockTrie:
         self._check_live(seq)
         if seq.restore is None:
             raise CheckpointError(f"pin: {seq!r} matched no checkpoint")
-        receipt = self._pin(seq.restore.checkpoint)
+        receipt = self._checkpoints.pin(seq.restore.checkpoint)
         self._explicit[id(receipt)] = receipt
         return receipt
 
@@ -853,7 +794,7 @@ class BlockTrie:
                 raise PinError(f"unpin: {receipt!r} was already used")
             raise PinError(f"unpin: {receipt!r} was not issued by this cache's pin()")
         del self._explicit[id(receipt)]
-        self._unpin(receipt)
+        self._checkpoints.unpin(receipt)
 
     # ---------------------------------------------------------------- events
 
@@ -939,7 +880,7 @@ class BlockTrie:
             "copies": copies,
             "explicit_pins": [r.checkpoint.serial for r in self._explicit.values()],
             "evictable_index": [n.serial for n in self._evictable],
-            "checkpoint_index": [c.serial for c in self._checkpoint_lru],
+            "checkpoint_index": [c.serial for c in self._checkpoints.lru],
             "event_blocks": (
                 replay(self._events, set(self._drained_view)) if self._events_on else None
             ),
