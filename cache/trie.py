@@ -45,7 +45,7 @@ from spec.errors import (
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, NODE, CheckpointState, NodeState, implied_node_state
+from spec.lifecycle import CHECKPOINT, NODE, NodeState, implied_node_state
 from spec.snapshot import (
     CheckpointView,
     CopyView,
