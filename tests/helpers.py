@@ -40,18 +40,19 @@ def ssm_trie(
     return BlockTrie(config, copies=copies), copies
 
 
-def state(value: float) -> dict[str, torch.Tensor]:
+def state(value: float, device: str = "cpu") -> dict[str, torch.Tensor]:
     """A runtime state filled with `value` (a recognisable pattern)."""
     return {
-        "conv": torch.full((2, 3), value, dtype=torch.float64),
-        "ssm": torch.arange(3, dtype=torch.float64) + value,
+        "conv": torch.full((2, 3), value, dtype=torch.float64, device=device),
+        "ssm": torch.arange(3, dtype=torch.float64, device=device) + value,
     }
 
 
-def empty_state() -> dict[str, torch.Tensor]:
+def empty_state(device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A zeroed runtime state (the restore target)."""
     return {
-        "conv": torch.zeros(2, 3, dtype=torch.float64),
-        "ssm": torch.zeros(3, dtype=torch.float64),
+        "conv": torch.zeros(2, 3, dtype=torch.float64, device=device),
+        "ssm": torch.zeros(3, dtype=torch.float64, device=device),
     }
 
 

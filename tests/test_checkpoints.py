@@ -20,6 +20,14 @@ from tests.helpers import empty_state, frozen, ssm_trie, state
 PROMPT = [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]  # two full blocks of 4 and a partial one
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request: pytest.FixtureRequest) -> str:
+    """Tests that move data with ManualCopies run on CUDA too, where present."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return str(request.param)
+
+
 def _prefill(trie: BlockTrie, tokens: list[int]) -> object:
     seq = trie.match(tokens)
     trie.allocate(seq, len(tokens))
@@ -27,11 +35,11 @@ def _prefill(trie: BlockTrie, tokens: list[int]) -> object:
     return seq
 
 
-def test_seed_regression_pinned_leaf_is_skipped_until_the_copy_finishes() -> None:
-    trie, copies = ssm_trie()
+def test_seed_regression_pinned_leaf_is_skipped_until_the_copy_finishes(device: str) -> None:
+    trie, copies = ssm_trie(device=device)
     assert copies is not None
     seq = _prefill(trie, [1, 1, 1, 1, 9])
-    copy = trie.save(seq, 4, state(1.0))  # pins the checkpoint on the leaf
+    copy = trie.save(seq, 4, state(1.0, device))  # pins the checkpoint on the leaf
     assert copy is not None and not copy.done
     trie.release(seq)  # the leaf's block is now held by the trie alone
     assert trie.evict(1) == 0, "a leaf whose checkpoint is pinned is never evicted"
@@ -80,22 +88,22 @@ def test_kv_only_path_is_a_miss_under_ssm() -> None:
     trie.check()
 
 
-def test_restore_reads_back_exactly_what_was_saved() -> None:
-    trie, copies = ssm_trie()
+def test_restore_reads_back_exactly_what_was_saved(device: str) -> None:
+    trie, copies = ssm_trie(device=device)
     assert copies is not None
     seq = _prefill(trie, PROMPT)
-    saved = state(42.0)
+    saved = state(42.0, device)
     save_copy = trie.save(seq, 8, saved)
     assert save_copy is not None
     saved["ssm"].fill_(-1)  # late copy: the engine must wait before overwriting
     trie.release(seq)
     hit = trie.match([*PROMPT, 5])
-    out = empty_state()
+    out = empty_state(device)
     restore_copy = trie.restore(hit, out)
     copies.complete(restore_copy)  # completes the save first (same slot)
     assert save_copy.done
-    assert torch.equal(out["ssm"], torch.full((3,), -1.0, dtype=torch.float64))
-    assert torch.equal(out["conv"], torch.full((2, 3), 42.0, dtype=torch.float64))
+    assert torch.equal(out["ssm"].cpu(), torch.full((3,), -1.0, dtype=torch.float64))
+    assert torch.equal(out["conv"].cpu(), torch.full((2, 3), 42.0, dtype=torch.float64))
     assert trie.poll() == 2
     trie.check()
 
@@ -246,17 +254,17 @@ def test_abort_releases_the_match_pin_and_undoes_stats() -> None:
     assert frozen(trie.snapshot()) == before
 
 
-def test_abort_after_restore_keeps_the_copy_pin_until_it_finishes() -> None:
-    trie, copies = ssm_trie()
+def test_abort_after_restore_keeps_the_copy_pin_until_it_finishes(device: str) -> None:
+    trie, copies = ssm_trie(device=device)
     assert copies is not None
     seq = _prefill(trie, PROMPT)
     copies.complete_all()
-    trie.save(seq, 10, state(1.0))
+    trie.save(seq, 10, state(1.0, device))
     copies.complete_all()
     trie.poll()
     trie.release(seq)
     hit = trie.match([*PROMPT, 1])
-    copy = trie.restore(hit, empty_state())
+    copy = trie.restore(hit, empty_state(device))
     trie.abort(hit)
     assert trie.evict(10) == 0, "the restore copy still reads the checkpoint"
     trie.check()
@@ -371,18 +379,20 @@ def test_allocation_failure_at_each_point_leaves_the_snapshot_unchanged(point: i
     trie2.check()
 
 
-def test_manual_copies_complete_dependencies_first() -> None:
-    trie, copies = ssm_trie()
+def test_manual_copies_complete_dependencies_first(device: str) -> None:
+    trie, copies = ssm_trie(device=device)
     assert copies is not None
     seq = _prefill(trie, PROMPT)
-    save = trie.save(seq, 8, state(5.0))
+    save = trie.save(seq, 8, state(5.0, device))
     trie.release(seq)
     hit = trie.match([*PROMPT, 1])
-    restore = trie.restore(hit, empty_state())
+    out = empty_state(device)
+    restore = trie.restore(hit, out)
     assert save is not None
     assert copies.pending() == [save, restore]
     copies.complete(restore)
     assert save.done and restore.done
+    assert torch.equal(out["conv"].cpu(), torch.full((2, 3), 5.0, dtype=torch.float64))
     with pytest.raises(CacheError):
         ManualCopies().complete(save)
 

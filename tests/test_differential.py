@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -72,6 +73,7 @@ class PendingRestore:
 
 
 class CacheVersusModel(RuleBasedStateMachine):
+    device = "cpu"
     live = Bundle("live")
     copies = Bundle("copies")
     receipts = Bundle("receipts")
@@ -94,6 +96,7 @@ class CacheVersusModel(RuleBasedStateMachine):
                 num_checkpoint_slots=slots,
                 state_shapes={"s": (2,)} if slots else {},
                 state_dtype=torch.float64,
+                device=self.device,
             ),
             copies=self.manual,
         )
@@ -137,7 +140,7 @@ class CacheVersusModel(RuleBasedStateMachine):
     def _runtime(self, value: float) -> dict[str, torch.Tensor]:
         if not self.ssm:
             return {}
-        return {"s": torch.tensor([value, -value], dtype=torch.float64)}
+        return {"s": torch.tensor([value, -value], dtype=torch.float64, device=self.device)}
 
     # -------------------------------------------------------------- rules
 
@@ -416,3 +419,14 @@ TestCacheVersusModel.settings = settings(
     max_examples=max(TestCacheVersusModel.settings.max_examples, 200),
     stateful_step_count=max(TestCacheVersusModel.settings.stateful_step_count, 80),
 )
+
+
+class CacheVersusModelOnCuda(CacheVersusModel):
+    """The same machine with the pools and runtime state on a CUDA device."""
+
+    device = "cuda"
+
+
+TestCacheVersusModelOnCuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"
+)(CacheVersusModelOnCuda.TestCase)
