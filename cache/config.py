@@ -40,7 +40,9 @@ class CacheConfig:
     - `state_shapes`: per named SSM state, the shape of one sequence's state.
       Empty with slots > 0 gives an ids-only state pool (capacity planning).
     - `device`: where the pools live ("cpu", "cuda", "cuda:1", a torch.device).
-    - `enable_events`: emit BlockStored / BlockRemoved / AllBlocksCleared.
+    - `enable_events`: emit BlockStored / BlockRemoved / AllBlocksCleared. They
+      accumulate until `BlockTrie.drain_events()`: an engine that never drains
+      should turn them off.
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
     """
