@@ -45,6 +45,7 @@ T = TypeVar("T")
 
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=8)
 NAMESPACES = st.sampled_from(["", "ns"])
+EXTRAS = st.one_of(st.none(), st.lists(st.sampled_from([None, "img"]), max_size=3))
 FRACTION = st.floats(0.0, 1.0)
 
 
@@ -82,8 +83,10 @@ class CacheVersusModel(RuleBasedStateMachine):
         block_size=st.integers(2, 3),
         num_blocks=st.integers(4, 10),
         slots=st.sampled_from([0, 1, 2, 3]),
+        collide=st.booleans(),
     )
-    def setup(self, block_size: int, num_blocks: int, slots: int) -> None:
+    def setup(self, block_size: int, num_blocks: int, slots: int, collide: bool) -> None:
+        """`collide`: the cache hashes every block key to 0, so exact comparison alone decides."""
         self.block_size = block_size
         self.ssm = slots > 0
         self.manual = ManualCopies()
@@ -97,12 +100,13 @@ class CacheVersusModel(RuleBasedStateMachine):
                 state_shapes={"s": (2,)} if slots else {},
                 state_dtype=torch.float64,
                 device=self.device,
+                key_hash=(lambda key: 0) if collide else None,
             ),
             copies=self.manual,
         )
         self.model = ReferenceCache(block_size, num_blocks, slots, manual_copies=True)
         self.patterns = 0
-        self.saved: dict[tuple[str, tuple[int, ...]], float] = {}
+        self.saved: dict[tuple[Any, ...], float] = {}
         self.pending_restores: list[PendingRestore] = []
         self.open_sequences: dict[int, Pair] = {}  # for teardown's drain
         self.open_receipts: dict[int, Pair] = {}
@@ -137,6 +141,13 @@ class CacheVersusModel(RuleBasedStateMachine):
             return None
         return real_result, model_result
 
+    def _identity(self, seq: Sequence, step: int) -> tuple[Any, ...]:
+        """What a checkpoint after `step` tokens of `seq` is for: namespace, tokens, extras."""
+        blocks = -(-step // self.block_size)
+        extra = seq.extra or ()
+        extras = tuple(extra[i] if i < len(extra) else None for i in range(blocks))
+        return (seq.namespace, seq.tokens[:step], extras)
+
     def _runtime(self, value: float) -> dict[str, torch.Tensor]:
         if not self.ssm:
             return {}
@@ -144,11 +155,11 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES)
-    def match(self, tokens: list[int], namespace: str) -> Any:
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
+    def match(self, tokens: list[int], namespace: str, extra: list[str | None] | None) -> Any:
         out = self.both(
-            lambda: self.cache.match(tokens, namespace=namespace),
-            lambda: self.model.match(tokens, namespace=namespace),
+            lambda: self.cache.match(tokens, namespace=namespace, extra=extra),
+            lambda: self.model.match(tokens, namespace=namespace, extra=extra),
         )
         assert out is not None
         real, model = out
@@ -162,10 +173,10 @@ class CacheVersusModel(RuleBasedStateMachine):
         self.open_sequences[id(real)] = pair
         return pair
 
-    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES)
-    def prefill(self, tokens: list[int], namespace: str) -> Any:
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
+    def prefill(self, tokens: list[int], namespace: str, extra: list[str | None] | None) -> Any:
         """match + allocate + commit the whole prompt: what most requests do."""
-        pair = self.match(tokens, namespace)
+        pair = self.match(tokens, namespace, extra)
         n = len(tokens)
         if self.both(
             lambda: self.cache.allocate(pair.real, n), lambda: self.model.allocate(pair.model, n)
@@ -272,7 +283,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert (real is None) == (model is None)
         if real is None:
             return multiple()
-        self.saved[(real_seq.namespace, real_seq.tokens[:step])] = pattern
+        self.saved[self._identity(real_seq, step)] = pattern
         return Pair(real, model)
 
     @precondition(lambda self: self.ssm)
@@ -294,7 +305,7 @@ class CacheVersusModel(RuleBasedStateMachine):
             PendingRestore(
                 copy=real,
                 runtime=runtime,
-                expected_pattern=self.saved[(real_seq.namespace, real_seq.tokens[:step])],
+                expected_pattern=self.saved[self._identity(real_seq, step)],
                 block=real_seq.block_ids[depth] if rem else -1,
                 expected_tail=[
                     _code(real_seq.namespace, real_seq.tokens[: depth * self.block_size + p + 1])
