@@ -63,11 +63,6 @@ class Node:
         self.children: dict[Hashable, Node] = {}
         self.checkpoint: Checkpoint | None = None
 
-    @property
-    def is_root(self) -> bool:
-        """Whether this is a namespace root (never evicted, owns no block)."""
-        return self.parent is None and self.block < 0
-
     def __repr__(self) -> str:
         return (
             f"<Node #{self.serial} ns={self.namespace!r} depth={self.depth} "

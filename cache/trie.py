@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from collections.abc import Sequence as SequenceABC
-from typing import Any
 
 import torch
 
@@ -161,17 +160,17 @@ class BlockTrie:
         root = self._roots.get(namespace)
         if root is None:
             root = Node(
-                None,
-                None,
-                (),
-                None,
-                -1,
-                namespace,
-                0,
-                -1 - len(self._roots),
-                0,
-                hash(("blocktrie-namespace", namespace)),
-                _ROOT_STATE,
+                parent=None,
+                key=None,
+                tokens=(),
+                extra=None,
+                block=-1,  # roots own no block; `block < 0` marks a root everywhere
+                namespace=namespace,
+                depth=0,
+                serial=-1 - len(self._roots),
+                tick=0,
+                block_hash=hash(("blocktrie-namespace", namespace)),
+                state=_ROOT_STATE,
             )
             self._roots[namespace] = root
         return root
@@ -898,12 +897,3 @@ class BlockTrie:
             f"slots free={self.num_free_checkpoint_slots}/{self._slots.capacity}>"
         )
 
-
-def describe(trie: BlockTrie) -> dict[str, Any]:
-    """A small summary for logs and the CLI."""
-    return {
-        "free_blocks": trie.num_free_blocks,
-        "cached_blocks": trie.num_cached_blocks,
-        "free_checkpoint_slots": trie.num_free_checkpoint_slots,
-        **trie.stats.as_dict(),
-    }
