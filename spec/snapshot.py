@@ -118,16 +118,19 @@ def observe(snap: Snapshot) -> dict[str, Any]:
             for c in snap["checkpoint_index"]
         ],
         "sequences": sorted(
-            (
-                s["namespace"],
-                s["tokens"],
-                len(s["blocks"]),
-                s["num_cached_tokens"],
-                s["num_committed_tokens"],
-                tuple(named[p] for p in s["path"]),
-                s["holds_match_pin"],
-            )
-            for s in snap["sequences"].values()
+            [
+                (
+                    s["namespace"],
+                    s["tokens"],
+                    len(s["blocks"]),
+                    s["num_cached_tokens"],
+                    s["num_committed_tokens"],
+                    tuple(named[p] for p in s["path"]),
+                    s["holds_match_pin"],
+                )
+                for s in snap["sequences"].values()
+            ],
+            key=repr,  # extra identities may mix None and other types
         ),
         "copies": sorted(
             (c["kind"], len(c["blocks"]), len(c["pins"]), c["done"])
