@@ -352,14 +352,16 @@ class BlockTrie:
                 seen = gone.get(parent.serial, 0) + 1
                 gone[parent.serial] = seen
                 pck = parent.checkpoint
-                if (
-                    seen == len(parent.children)
-                    and refs[parent.block] == 1
-                    and (pck is None or pck.pins == 0)
-                ):
-                    node = parent
-                else:
+                # Would the parent be evictable once all counted children are gone?
+                after = implied_node_state(
+                    attached=True,
+                    leaf=seen == len(parent.children),
+                    block_refs=refs[parent.block],
+                    pins=pck.pins if pck is not None else 0,
+                )
+                if after != _EVICTABLE:
                     break
+                node = parent
             if count >= limit:
                 break
         return count
