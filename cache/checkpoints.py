@@ -102,6 +102,24 @@ class CheckpointStore:
             return 1
         return 0
 
+    def evict_frozen_tails(self, blocks: int) -> int:
+        """Evict unpinned checkpoints that hold a frozen tail, least recent first,
+        until `blocks` KV blocks are freed (or none is left); returns blocks freed."""
+        freed = 0
+        released = 0
+        for ck in list(self.lru):
+            if freed >= blocks:
+                break
+            if ck.frozen_block is not None:
+                freed += self.drop(ck, "evict")
+                released += 1
+        self._stats.evicted_checkpoints += released
+        return freed
+
+    def frozen_tails(self) -> list[Checkpoint]:
+        """Unpinned checkpoints holding a frozen tail block, in no particular order."""
+        return [ck for ck in self.lru.unordered() if ck.frozen_block is not None]
+
     def evict_lru(self, count: int) -> int:
         """Evict up to `count` unpinned checkpoints, least recent first; returns how many."""
         done = 0

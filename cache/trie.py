@@ -334,8 +334,11 @@ class BlockTrie:
         self._make_room(need)
         seq.blocks.extend(self._kv.take(need))
 
-    def _reclaimable(self, limit: int) -> int:
-        """KV blocks that evictions could free, counted up to `limit` (no change made)."""
+    def _reclaimable(self, limit: int, doomed: set[int] | None = None) -> int:
+        """KV blocks that evictions could free, counted up to `limit` (no change made).
+
+        With `doomed`, the serials of the nodes counted are added to it.
+        """
         refs = self._kv.refs
         count = 0
         gone: dict[int, int] = {}
@@ -343,6 +346,8 @@ class BlockTrie:
             node: Node | None = leaf
             while node is not None and count < limit:
                 count += 1
+                if doomed is not None:
+                    doomed.add(node.serial)
                 ck = node.checkpoint
                 if ck is not None and ck.frozen_block is not None:
                     count += 1
@@ -366,17 +371,30 @@ class BlockTrie:
                 break
         return count
 
+    def _room_possible(self, short: int) -> bool:
+        """Whether `_make_room` can free `short` blocks (no change made)."""
+        # Each evictable leaf frees at least its own block; count deeper only when short.
+        if len(self._evictable) >= short or self._reclaimable(short) >= short:
+            return True
+        doomed: set[int] = set()
+        total = self._reclaimable(self._kv.capacity + 1, doomed)
+        total += sum(1 for ck in self._checkpoints.frozen_tails() if ck.anchor.serial not in doomed)
+        return total >= short
+
     def _make_room(self, need: int) -> None:
+        """Make `need` blocks free: KV eviction first, then the frozen tails of
+        unpinned checkpoints; raises `OutOfBlocks`, changing nothing, when impossible."""
         short = need - self._kv.num_free
         if short <= 0:
             return
-        # Each evictable leaf frees at least its own block; count deeper only when short.
-        if len(self._evictable) < short and self._reclaimable(short) < short:
+        if not self._room_possible(short):
             raise OutOfBlocks(
                 f"need {need} KV blocks: {self._kv.num_free} free and fewer than {short} "
                 f"reclaimable by eviction (capacity {self._kv.capacity})"
             )
-        self._evict_blocks(short)
+        freed = self._evict_blocks(short)
+        if freed < short:
+            self.stats.evicted_blocks += self._checkpoints.evict_frozen_tails(short - freed)
 
     # ---------------------------------------------------------------- commit
 
@@ -651,7 +669,7 @@ class BlockTrie:
         if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
             stats.checkpoints_skipped += 1
             return None
-        if need_block and self._kv.num_free == 0 and self._reclaimable(1) < 1:
+        if need_block and self._kv.num_free == 0 and not self._room_possible(1):
             stats.checkpoints_skipped += 1
             return None
 
@@ -898,4 +916,3 @@ class BlockTrie:
             f"cached={self.num_cached_blocks}/{self._kv.capacity} "
             f"slots free={self.num_free_checkpoint_slots}/{self._slots.capacity}>"
         )
-

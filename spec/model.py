@@ -59,16 +59,20 @@ must do the same for the differential test to agree.
    when the old one is aligned and the new one partial, a frozen block is
    obtained as in rule 5.
 8. Frozen tail blocks freed by `evict_checkpoints` (and by save rule 4's
-   checkpoint eviction) are not counted in `evicted_blocks`; only KV
-   eviction (`evict`, and the evictions inside `allocate`, `restore` and save
-   rule 5) counts blocks, node blocks plus frozen tails, as the actual growth
-   of the free list.
+   checkpoint eviction) are not counted in `evicted_blocks`; only eviction
+   that makes room for blocks (`evict`, and `_make_room` inside `allocate`,
+   `restore` and save rule 5) counts blocks, node blocks plus frozen tails, as
+   the actual growth of the free list.
 9. Save: the feasibility of rules 4 and 5 is checked first (on the unchanged
    state); then rule 4 takes its slot (a free slot, else evicting the LRU
    published checkpoint), and only then rule 5 takes a frozen block (a free
-   block, else KV eviction as in `evict(1)`). So a frozen block freed by rule
-   4's checkpoint eviction is used before any KV node is evicted, but it does
-   not make an otherwise infeasible rule 5 feasible.
+   block, else `_make_room(1)`). So a frozen block freed by rule 4's
+   checkpoint eviction is used before anything else is evicted.
+9a. (Added by the cache author.) Making room for blocks (`_make_room`, used by
+   `allocate`, `restore` and save rule 5) evicts KV first, as `evict` does;
+   when KV eviction runs out, it evicts the least recent unpinned checkpoints
+   that hold a frozen tail block, until enough blocks are free. Feasibility
+   (`OutOfBlocks`, rule 5's skip) counts both.
 10. A save or restore copy of an aligned checkpoint holds no block reference;
     of a partial one, one reference on `seq.block_ids[d]` (d = step // B), the
     entry present when the copy is queued. A restore of a partial checkpoint
@@ -507,10 +511,27 @@ class ReferenceCache:
         self._stats["evicted_checkpoints"] += released
         return released
 
+    def _make_room(self, short: int) -> int:
+        """Free `short` blocks for an allocation: KV eviction first; when that runs
+        out, the frozen tails of unpinned checkpoints, least recent first.
+        Returns the blocks freed (possibly fewer)."""
+        freed = self._evict_blocks(short)
+        while freed < short:
+            holders = [c for c in self._checkpoint_index() if c.frozen_block is not None]
+            if not holders:
+                break
+            before = len(self._free_block_list())
+            self._drop_checkpoint(holders[0], "evict")
+            self._stats["evicted_checkpoints"] += 1
+            gained = len(self._free_block_list()) - before
+            self._stats["evicted_blocks"] += gained
+            freed += gained
+        return freed
+
     def _reclaimable(self) -> int:
-        """Blocks a sequence of KV evictions could free (simulated on a deep copy)."""
+        """Blocks `_make_room` could free (simulated on a deep copy)."""
         sim = _copylib.deepcopy(self)
-        return sim._evict_blocks(self._num_blocks + 1)
+        return sim._make_room(self._num_blocks + 1)
 
     def _can_get_blocks(self, need: int) -> bool:
         free = len(self._free_block_list())
@@ -520,7 +541,7 @@ class ReferenceCache:
         """Evict until `need` blocks are free and return them (caller checked feasibility)."""
         free = len(self._free_block_list())
         if free < need:
-            self._evict_blocks(need - free)
+            self._make_room(need - free)
         blocks = self._free_block_list()[:need]
         assert len(blocks) == need
         return blocks

@@ -13,6 +13,7 @@ from cache import (
     InvalidArgument,
     InvalidType,
     ManualCopies,
+    OutOfBlocks,
     PinError,
 )
 from tests.helpers import empty_state, frozen, ssm_trie, state
@@ -464,3 +465,26 @@ def test_faults_fail_the_armed_point_once() -> None:
     assert faults.points == ["a", "b", "c"]
     with pytest.raises(ValueError):
         faults.arm(after=-1)
+
+
+def test_allocate_reclaims_frozen_tails_of_unpinned_checkpoints() -> None:
+    """KV eviction alone cannot make room (the tails sit on held or inner
+    nodes), but unpinned checkpoints' frozen tails are cache too."""
+    trie, _ = ssm_trie(num_blocks=6, manual=False)
+    seq = _prefill(trie, PROMPT)  # 3 blocks; blocks 0 and 1 cached
+    trie.save(seq, 5, state(1.0))  # frozen tail on an inner node
+    trie.save(seq, 10, state(2.0))  # frozen tail on the leaf
+    assert trie.num_free_blocks == 1
+    hungry = trie.match([9] * 16)
+    before = frozen(trie.snapshot())
+    with pytest.raises(OutOfBlocks):
+        trie.allocate(hungry, 16)  # 4 blocks: beyond even that, so nothing changes
+    assert frozen(trie.snapshot()) == before
+    trie.allocate(hungry, 8)  # 2 blocks: 1 free + the least recent frozen tail
+    assert trie.stats.evicted_checkpoints == 1
+    assert trie.stats.evicted_blocks == 1
+    assert trie.num_cached_blocks == 2, "the KV nodes stay"
+    trie.release(seq)
+    assert trie.match([*PROMPT[:5], 7]).num_cached_tokens == 0  # step 5's went first
+    assert trie.match([*PROMPT, 7]).num_cached_tokens == 10  # step 10's stays
+    trie.check()

@@ -562,7 +562,7 @@ def test_save_rule4_evicts_lru_checkpoint_slot() -> None:
     assert cache.num_cached_blocks == 3  # nodes stay
 
 
-def test_save_rule5_no_frozen_block_skips_before_rule4() -> None:
+def test_save_rule5_takes_the_frozen_tail_freed_by_rule4() -> None:
     cache = ReferenceCache(B, 4, 1)
     a = cache.match(toks(0, 3))
     cache.allocate(a, 3)
@@ -571,17 +571,29 @@ def test_save_rule5_no_frozen_block_skips_before_rule4() -> None:
     cache.release(a)
     seq = fill(cache, toks(100, 10), release=False)  # 3 blocks, 2 of them cached
     assert cache.num_free_blocks == 0
+    # Nothing is KV-evictable, but the unpinned root checkpoint's frozen tail is
+    # reclaimable: rule 4 evicts it for its slot, and rule 5 takes its block.
+    assert cache.save(seq, 6) is not None
+    assert cache.stats["evicted_checkpoints"] == 1
+    assert cache.stats["evicted_blocks"] == 0
+    assert cache.num_free_blocks == 0
+
+
+def test_save_rule5_skips_when_no_block_can_be_freed() -> None:
+    cache = ReferenceCache(B, 5, 2)
+    a = cache.match(toks(0, 3))
+    cache.allocate(a, 3)
+    assert cache.save(a, 2) is not None  # frozen tail, still pinned by its copy
+    cache.release(a)  # its block stays with the copy
+    seq = fill(cache, toks(100, 10), release=False)
+    assert cache.num_free_blocks == 0
     before = cache.snapshot()
-    assert cache.save(seq, 6) is None  # no free block, nothing KV-evictable
+    assert cache.save(seq, 6) is None  # no free block, nothing evictable, tail pinned
     after = cache.snapshot()
     assert after["stats"]["checkpoints_skipped"] == 1
     after["stats"]["checkpoints_skipped"] = 0
     assert after == before
-    # an aligned step needs no frozen block: rule 4 evicts the root checkpoint
-    assert cache.save(seq, 8) is not None
-    assert cache.stats["evicted_checkpoints"] == 1
-    assert cache.num_free_blocks == 1
-    assert cache.stats["evicted_blocks"] == 0
+    assert cache.save(seq, 8) is not None  # an aligned step needs no frozen block
 
 
 def test_save_rule5_uses_kv_eviction() -> None:
