@@ -427,8 +427,8 @@ class CacheVersusModel(RuleBasedStateMachine):
 TestCacheVersusModel = CacheVersusModel.TestCase
 TestCacheVersusModel.settings = settings(
     TestCacheVersusModel.settings,
-    max_examples=max(TestCacheVersusModel.settings.max_examples, 200),
-    stateful_step_count=max(TestCacheVersusModel.settings.stateful_step_count, 80),
+    max_examples=max(TestCacheVersusModel.settings.max_examples, 400),
+    stateful_step_count=max(TestCacheVersusModel.settings.stateful_step_count, 100),
 )
 
 
