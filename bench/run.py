@@ -189,18 +189,24 @@ def bench_replay(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for frac in args.capacities:
         cap = max(64, int(unbounded * frac))
         totals: dict[str, float] = {}
+        best: dict[str, tuple[float, TimedCache, Any]] = {}
+        for _ in range(args.repeats):  # interleaved, best of N: shared machines are noisy
+            for name, make in IMPLS.items():
+                gc.collect()
+                timed = TimedCache(make(b, cap), b)
+                result = replay(
+                    workload,
+                    timed,
+                    block_size=b,
+                    capacity=cap,
+                    concurrency=args.concurrency,
+                    max_decode_tokens=args.max_decode_tokens,
+                )
+                total = timed.t.total_ns / result.blocks if result.blocks else 0.0
+                if name not in best or total < best[name][0]:
+                    best[name] = (total, timed, result)
         for name, make in IMPLS.items():
-            gc.collect()
-            timed = TimedCache(make(b, cap), b)
-            result = replay(
-                workload,
-                timed,
-                block_size=b,
-                capacity=cap,
-                concurrency=args.concurrency,
-                max_decode_tokens=args.max_decode_tokens,
-            )
-            per_block_total = timed.t.total_ns / result.blocks if result.blocks else 0.0
+            per_block_total, timed, result = best[name]
             totals[name] = per_block_total
             peak = measure_peak(workload, make, b, cap, args) if args.memory else None
             row = {
@@ -555,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-layer-mib", type=float, default=2.0)
     p.add_argument("--ckpt-slots", type=int, default=8)
     p.add_argument("--ckpt-iters", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=3, help="ckpt: best of N interleaved runs")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="replay and ckpt: best of N interleaved runs"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p
