@@ -116,9 +116,13 @@ class CopyEngine:
 
     def collect(self) -> list[Copy]:
         """Remove and return the finished copies, oldest first."""
-        finished = [c for c in self._inflight if c.done]
-        if finished:
-            self._inflight = [c for c in self._inflight if not c.done]
+        finished: list[Copy] = []
+        pending: list[Copy] = []
+        for copy in self._inflight:
+            # One look at `done` per copy: on CUDA it can turn true between two
+            # looks, and a copy dropped from both lists would never be reaped.
+            (finished if copy.done else pending).append(copy)
+        self._inflight = pending
         return finished
 
     def forget(self, copy: Copy) -> None:

@@ -488,3 +488,25 @@ def test_allocate_reclaims_frozen_tails_of_unpinned_checkpoints() -> None:
     assert trie.match([*PROMPT[:5], 7]).num_cached_tokens == 0  # step 5's went first
     assert trie.match([*PROMPT, 7]).num_cached_tokens == 10  # step 10's stays
     trie.check()
+
+
+def test_collect_looks_at_each_copy_once() -> None:
+    """A copy whose event completes while `collect` runs must be reaped then or later."""
+    from cache.copies import Copy, CopyEngine
+
+    class Flaky(CopyEngine):
+        def _start(self, copy: Copy) -> None:
+            pass
+
+    engine = Flaky()
+    copy = Copy("save", 1, [], [], 1)
+    engine.queue(copy)
+    looks = iter([False, True, True])
+
+    class Event:
+        def query(self) -> bool:
+            return next(looks)
+
+    copy._event = Event()  # type: ignore[assignment]
+    assert engine.collect() == []  # not done at its one look
+    assert engine.collect() == [copy]  # still tracked, reaped now
