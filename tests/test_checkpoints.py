@@ -499,14 +499,17 @@ def test_collect_looks_at_each_copy_once() -> None:
             pass
 
     engine = Flaky()
-    copy = Copy("save", 1, [], [], 1)
-    engine.queue(copy)
+    finished = Copy("save", 1, [], [], 1)
+    finished._finished = True
+    racing = Copy("save", 2, [], [], 2)
+    engine.queue(finished)
+    engine.queue(racing)
     looks = iter([False, True, True])
 
     class Event:
         def query(self) -> bool:
             return next(looks)
 
-    copy._event = Event()  # type: ignore[assignment]
-    assert engine.collect() == []  # not done at its one look
-    assert engine.collect() == [copy]  # still tracked, reaped now
+    racing._event = Event()  # type: ignore[assignment]
+    assert engine.collect() == [finished]  # `racing` was not done at its one look
+    assert engine.collect() == [racing]  # so it is still tracked, and reaped now
