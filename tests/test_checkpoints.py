@@ -15,6 +15,7 @@ from cache import (
     ManualCopies,
     OutOfBlocks,
     PinError,
+    Sequence,
 )
 from tests.helpers import empty_state, frozen, ssm_trie, state
 
@@ -29,7 +30,7 @@ def device(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _prefill(trie: BlockTrie, tokens: list[int]) -> object:
+def _prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
     seq = trie.match(tokens)
     trie.allocate(seq, len(tokens))
     trie.commit(seq, len(tokens))
