@@ -132,6 +132,15 @@ def _policy_list(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except unset ones (their help says what unset means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="blocktrie: a prefix cache for hybrid attention + SSM models."
@@ -147,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
             "memory it needs and the hit rate it gets. Without --trace, a built-in "
             "synthetic chat + agentic workload is used."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     wl = rp.add_argument_group("workload")
     wl.add_argument("--trace", metavar="FILE", help="Mooncake jsonl or token-id jsonl trace")
