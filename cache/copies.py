@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spec.errors import CacheError, InvalidType
+from spec.errors import CacheError, InvalidArgument, InvalidType
 
 if TYPE_CHECKING:
     from cache.sequence import PinReceipt
@@ -98,9 +98,21 @@ class CopyEngine:
 
     def __init__(self) -> None:
         self._inflight: list[Copy] = []
+        self._bound = False
 
     def bind(self, device: torch.device) -> None:
-        """Called once by the trie with its pools' device."""
+        """Called once by the trie that owns this engine, with its pools' device.
+
+        An engine serves one trie: a second binding raises `CacheError` (its
+        `poll` would reap the other trie's copies).
+        """
+        if self._bound:
+            raise CacheError(f"{type(self).__name__} is already bound to another BlockTrie")
+        self._bound = True
+        self._bind(device)
+
+    def _bind(self, device: torch.device) -> None:
+        """Subclass hook: prepare for copies on `device`."""
 
     def queue(self, copy: Copy) -> None:
         """Start `copy` (it may finish at once)."""
@@ -139,9 +151,11 @@ class DeviceCopies(CopyEngine):
     def __init__(self) -> None:
         super().__init__()
         self._stream: torch.cuda.Stream | None = None
+        self._device: torch.device | None = None
 
-    def bind(self, device: torch.device) -> None:
+    def _bind(self, device: torch.device) -> None:
         if device.type == "cuda":
+            self._device = device
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def _start(self, copy: Copy) -> None:
@@ -164,8 +178,14 @@ class DeviceCopies(CopyEngine):
         copy._event = event
 
     def wait(self, copy: Copy) -> None:
-        if copy._event is not None:
-            torch.cuda.current_stream().wait_event(copy._event)
+        event = copy._event
+        if event is None:
+            return
+        if any(not t.is_cuda for move in copy.moves for t in move):
+            # A host tensor is read or written: the host itself must wait.
+            event.synchronize()
+        else:
+            torch.cuda.current_stream(self._device).wait_event(event)
 
 
 class ManualCopies(CopyEngine):
@@ -183,7 +203,7 @@ class ManualCopies(CopyEngine):
         if not isinstance(copy, Copy):
             raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:
-            raise CacheError(f"{copy!r} was not queued on this ManualCopies")
+            raise InvalidArgument(f"{copy!r} was not queued on this ManualCopies")
         if copy._finished:
             return
         for earlier in self._inflight:

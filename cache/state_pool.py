@@ -71,11 +71,15 @@ class CheckpointSlotPool:
         """Per state name, the storage of one slot."""
         return {name: t[slot] for name, t in self.tensors.items()}
 
-    def check_runtime(self, runtime_state: object) -> dict[str, torch.Tensor]:
+    def check_runtime(
+        self, runtime_state: object, written: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Validate an engine's runtime state for one sequence; returns it as a dict.
 
         It must map exactly the configured state names to tensors of the
-        configured shapes. With no configured states, None or {} is accepted.
+        configured shapes, on a real device (dtype and device may differ from
+        the pool's: copies convert). Tensors a restore writes (`written`) must
+        not require grad. With no configured states, None or {} is accepted.
         """
         if runtime_state is None and not self.shapes:
             return {}
@@ -98,6 +102,12 @@ class CheckpointSlotPool:
             if tuple(tensor.shape) != shape:
                 raise InvalidArgument(
                     f"runtime_state[{name!r}] has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            if tensor.device.type == "meta":
+                raise InvalidArgument(f"runtime_state[{name!r}] is on the meta device (no data)")
+            if written and tensor.requires_grad:
+                raise InvalidArgument(
+                    f"runtime_state[{name!r}] requires grad; a restore cannot write into it"
                 )
             out[name] = tensor
         return out

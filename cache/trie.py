@@ -16,7 +16,7 @@ room is itself a complete operation and happens before the takes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -633,9 +633,9 @@ class BlockTrie:
         or no slot / frozen block even after eviction); skips are counted in stats.
         """
         self._check_live(seq)
+        step = int_arg("step", step)
         if not self._ssm:
             raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots=0)")
-        step = int_arg("step", step)
         if not 1 <= step <= len(seq.token_list):
             raise InvalidArgument(f"save: step={step} outside 1..{len(seq.token_list)} for {seq!r}")
         size = self._block_size
@@ -712,7 +712,18 @@ class BlockTrie:
         self._checkpoints.move(ck, "publish")
         copy.receipts.append(self._checkpoints.pin(ck))
         stats.checkpoints_saved += 1
-        self._launch(copy)
+
+        def undo() -> None:
+            # Its data never arrived: take the checkpoint out again. A replaced
+            # one cannot come back: its slot was being overwritten.
+            self._checkpoints.unpin(copy.receipts[0])
+            self._checkpoints.drop(ck, "release")
+            for block in copy.blocks:
+                self._kv.decref(block)
+            self._clock -= 1
+            stats.checkpoints_saved -= 1
+
+        self._launch(copy, undo)
         return copy
 
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
@@ -727,7 +738,7 @@ class BlockTrie:
         receipt = seq.match_receipt
         if receipt is None:
             raise CheckpointError(f"restore: {seq!r} was already restored")
-        runtime = self._slots.check_runtime(runtime_state)
+        runtime = self._slots.check_runtime(runtime_state, written=True)
         ck = point.checkpoint
         depth = ck.step // self._block_size
         if ck.frozen_block is not None and len(seq.path) > depth:
@@ -735,9 +746,11 @@ class BlockTrie:
                 f"restore: {seq!r} already committed block {depth}, where the frozen tail "
                 "would be written; restore before prefill"
             )
-        if ck.frozen_block is not None and len(seq.blocks) == depth:
+        allocated = ck.frozen_block is not None and len(seq.blocks) == depth
+        if allocated:
             self._make_room(1)
             seq.blocks.extend(self._kv.take(1))
+        old_tick = ck.tick
         self._clock += 1
         ck.tick = self._clock  # pinned, so in no index while it changes
         moves = [(src, runtime[name]) for name, src in self._slots.views(ck.slot).items()]
@@ -757,7 +770,19 @@ class BlockTrie:
         seq.match_receipt = None
         seq.restored = True
         self.stats.restores += 1
-        self._launch(copy)
+
+        def undo() -> None:
+            seq.match_receipt = receipt
+            seq.restored = False
+            if target >= 0:
+                self._kv.decref(target)
+            if allocated:
+                self._kv.decref(seq.blocks.pop())
+            ck.tick = old_tick
+            self._clock -= 1
+            self.stats.restores -= 1
+
+        self._launch(copy, undo)
         return copy
 
     def _new_copy(
@@ -770,9 +795,17 @@ class BlockTrie:
         self._copy_serial += 1
         return Copy(kind, step, moves, resources, self._copy_serial)
 
-    def _launch(self, copy: Copy) -> None:
+    def _launch(self, copy: Copy, undo: Callable[[], None]) -> None:
+        """Queue `copy`; if queuing it fails (a copy that runs at once raised),
+        `undo` puts back what the operation changed and `CacheError` is raised."""
         self._inflight[copy.serial] = copy
-        self.copies.queue(copy)
+        try:
+            self.copies.queue(copy)
+        except Exception as exc:
+            self.copies.forget(copy)
+            del self._inflight[copy.serial]
+            undo()
+            raise CacheError(f"{copy.kind}: the copy failed and was undone: {exc}") from exc
         if copy.done:
             self.copies.forget(copy)
             self._reap(copy)

@@ -12,7 +12,7 @@ from spec.errors import InvalidArgument, InvalidType
 
 def int_arg(name: str, value: object) -> int:
     """`value` if it is an int (bool is not); else `InvalidType` naming `name`."""
-    if type(value) is not int:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidType(f"{name} must be an int, got {type(value).__name__}")
     return value
 
@@ -50,7 +50,7 @@ def extra_tuple(extra: object) -> tuple[Hashable, ...] | None:
     """Per-block extra identities as a tuple (None stays None); each must be hashable."""
     if extra is None:
         return None
-    if type(extra) is not list and type(extra) is not tuple:
+    if not isinstance(extra, (list, tuple)):
         raise InvalidType(
             "extra must be None or a list/tuple of per-block identities, "
             f"got {type(extra).__name__}"

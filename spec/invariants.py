@@ -194,8 +194,11 @@ def ssm_soundness(snap: Snapshot) -> Problems:
         if ck["step"] != seq["num_cached_tokens"]:
             problems.append(f"sequence {sid}: hit {seq['num_cached_tokens']} != step {ck['step']}")
         depth = ck["step"] // size
+        if depth > len(seq["path"]):
+            problems.append(f"sequence {sid}: checkpoint {cid} is deeper than its path")
+            continue
         anchor = seq["path"][depth - 1] if depth else snap["roots"].get(seq["namespace"])
-        if depth > len(seq["path"]) or anchor != ck["anchor"]:
+        if anchor != ck["anchor"]:
             problems.append(f"sequence {sid}: checkpoint {cid} is not anchored on its path")
         if tuple(seq["tokens"][depth * size : ck["step"]]) != ck["tail"]:
             problems.append(f"sequence {sid}: checkpoint {cid} tail differs from its tokens")

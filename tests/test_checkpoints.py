@@ -9,6 +9,8 @@ from cache import (
     BlockTrie,
     CacheError,
     CheckpointError,
+    Copy,
+    DeviceCopies,
     IllegalTransition,
     InvalidArgument,
     InvalidType,
@@ -514,3 +516,83 @@ def test_collect_looks_at_each_copy_once() -> None:
     racing._event = Event()  # type: ignore[assignment]
     assert engine.collect() == [finished]  # `racing` was not done at its one look
     assert engine.collect() == [racing]  # so it is still tracked, and reaped now
+
+
+def test_runtime_state_that_cannot_take_a_copy_is_refused_up_front() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = _prefill(trie, PROMPT)
+    trie.save(seq, 8, state(1.0))
+    trie.release(seq)
+    hit = trie.match([*PROMPT, 1])
+    before = frozen(trie.snapshot())
+    grad = {k: v.clone().requires_grad_(True) for k, v in empty_state().items()}
+    with pytest.raises(InvalidArgument, match="requires grad"):
+        trie.restore(hit, grad)
+    meta = {k: torch.empty_like(v, device="meta") for k, v in state(2.0).items()}
+    with pytest.raises(InvalidArgument, match="meta"):
+        trie.save(hit, 8, meta)
+    assert frozen(trie.snapshot()) == before
+    trie.release(hit)
+    trie.check()
+
+
+class _FailingCopies(DeviceCopies):
+    """CPU copies that fail while running, after moving part of the data."""
+
+    def _start(self, copy: Copy) -> None:
+        raise RuntimeError("simulated copy failure")
+
+
+def test_a_copy_that_fails_when_queued_is_undone() -> None:
+    trie, _ = ssm_trie(manual=False)
+    failing = BlockTrie(trie.config, copies=_FailingCopies())
+    seq = _prefill(failing, PROMPT)
+    before = frozen(failing.snapshot())
+    with pytest.raises(CacheError, match="copy failed and was undone"):
+        failing.save(seq, 10, state(1.0))
+    after = frozen(failing.snapshot())
+    assert after["checkpoints"] == {} and after["copies"] == {}
+    assert after["free_blocks"] == before["free_blocks"]
+    assert after["free_slots"] == before["free_slots"]
+    assert failing.stats.checkpoints_saved == 0
+    failing.release(seq)
+    failing.check()
+
+
+def test_a_failing_restore_copy_leaves_the_sequence_as_it_was() -> None:
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = _prefill(trie, PROMPT)
+    trie.save(seq, 10, state(1.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    hit = trie.match([*PROMPT, 3, 9])
+    trie.copies = _FailingCopies()  # the next copy fails when queued
+    before = frozen(trie.snapshot())
+    clock = trie.clock
+    with pytest.raises(CacheError, match="undone"):
+        trie.restore(hit, empty_state())
+    assert frozen(trie.snapshot()) == before
+    assert trie.clock == clock
+    trie.abort(hit)
+    trie.check()
+
+
+def test_an_engine_serves_one_trie() -> None:
+    engine = ManualCopies()
+    trie, _ = ssm_trie()
+    BlockTrie(trie.config, copies=engine)
+    with pytest.raises(CacheError, match="already bound"):
+        BlockTrie(trie.config, copies=engine)
+
+
+def test_completing_another_engines_copy_is_refused() -> None:
+    trie, _copies = ssm_trie()
+    seq = _prefill(trie, PROMPT)
+    copy = trie.save(seq, 8, state(1.0))
+    assert copy is not None
+    with pytest.raises(InvalidArgument):
+        ManualCopies().complete(copy)
+    with pytest.raises(InvalidType):
+        ManualCopies().complete("copy")  # type: ignore[arg-type]

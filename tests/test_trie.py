@@ -256,6 +256,7 @@ def test_bad_arguments_raise_clear_errors_and_change_nothing() -> None:
         (lambda: trie.evict_checkpoints(-1), InvalidArgument),
         (lambda: trie.release("seq"), InvalidType),  # type: ignore[arg-type]
         (lambda: trie.save(seq, 4, {}), CacheError),  # SSM disabled
+        (lambda: trie.save(seq, "3", {}), InvalidType),  # argument types come first
     ]
     for call, error in cases:
         with pytest.raises(error):
@@ -355,3 +356,36 @@ def test_ids_only_pool_works_without_tensors() -> None:
     serve(trie, [1, 2, 3, 4, 5])
     assert trie.match([1, 2, 3, 4, 6]).num_cached_tokens == 4
     trie.check()
+
+
+def test_int_subclasses_are_ints_but_bools_are_not() -> None:
+    import enum
+
+    class Size(enum.IntEnum):
+        FOUR = 4
+
+    trie = kv_trie()
+    seq = trie.match([1, 2, 3, 4, 5])
+    trie.allocate(seq, Size.FOUR)
+    with pytest.raises(InvalidType):
+        trie.allocate(seq, True)  # type: ignore[arg-type]
+    trie.release(seq)
+    trie.check()
+
+
+def test_checker_reports_a_broken_snapshot_instead_of_crashing() -> None:
+    from cache import ManualCopies
+    from spec import invariants
+
+    config = CacheConfig(block_size=2, num_blocks=8, num_checkpoint_slots=2)
+    trie = BlockTrie(config, copies=ManualCopies())
+    seq = trie.match([1, 2, 3, 4, 5])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    trie.save(seq, 4, None)
+    trie.release(seq)
+    hit = trie.match([1, 2, 3, 4, 5])
+    snap = trie.snapshot()
+    snap["sequences"][hit.serial]["path"] = []  # corrupt: deeper checkpoint than path
+    with pytest.raises(InvariantViolation):
+        invariants.check_all(snap)
