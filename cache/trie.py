@@ -10,8 +10,10 @@ adds or removes an object from its LRU index.
 
 Every public operation validates and plans first, then takes resources (the
 pools' `take` is the only place an allocation can fail), then mutates; so an
-operation completes or raises with nothing changed. KV eviction needed to make
-room is itself a complete operation and happens before the takes.
+operation completes or raises with nothing changed. Eviction needed to make
+room (KV leaves, frozen tails, a checkpoint for a slot) is itself a complete
+operation and happens before the takes, so an injected failure at a take
+leaves those evictions done (and everything else as it was).
 """
 
 from __future__ import annotations
