@@ -551,12 +551,13 @@ class BlockTrie:
     def _evict_blocks(self, n: int) -> int:
         freed = 0
         index = self._evictable
-        removed: list[Node] = []
+        removed: list[Node] | None = [] if self._events_on else None
         while freed < n and index:
             node = index.oldest()
             freed += self._free_node(node)
-            removed.append(node)
-        if removed and self._events_on:
+            if removed is not None:
+                removed.append(node)
+        if removed:
             self._emit_removed(removed)
         self.stats.evicted_blocks += freed
         return freed
