@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from spec.errors import CacheError, InvalidArgument, InvalidType
+from spec.lifecycle import COPY, CopyState, CopyTrigger
+
+_QUEUED = CopyState.QUEUED.value
 
 if TYPE_CHECKING:
     from cache.sequence import PinReceipt
@@ -34,21 +37,23 @@ Resource = tuple[str, int]
 class Copy:
     """One queued copy. `kind` is "save" or "restore"; `step` the checkpoint's step.
 
-    `done` says whether its data has moved; `wait()` makes the caller's work
-    wait for it (completes it under `ManualCopies`, makes the current CUDA
-    stream wait on its event, returns at once on CPU).
+    `state` follows `spec.lifecycle.COPY`: `queued`, then `finished` (its data
+    moved) or `failed`, then `reaped` once the trie released its pins and
+    block references. `done` says whether it is no longer queued; `wait()`
+    makes the caller's work wait for it (completes it under `ManualCopies`,
+    makes the current CUDA stream wait on its event, returns at once on CPU).
     """
 
     __slots__ = (
         "_engine",
         "_event",
-        "_finished",
         "blocks",
         "kind",
         "moves",
         "receipts",
         "resources",
         "serial",
+        "state",
         "step",
     )
 
@@ -67,16 +72,20 @@ class Copy:
         self.serial = serial
         self.receipts: list[PinReceipt] = []
         self.blocks: list[int] = []
-        self._finished = False
+        self.state: str = _QUEUED
         self._event: torch.cuda.Event | None = None
         self._engine: CopyEngine | None = None
 
     @property
     def done(self) -> bool:
-        """Whether the copy's data has moved."""
-        if not self._finished and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
-            self._finished = True
-        return self._finished
+        """Whether the copy is no longer queued (its data moved, or it failed)."""
+        if self.state == _QUEUED and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
+            self.fire(CopyTrigger.FINISH)
+        return self.state != _QUEUED
+
+    def fire(self, trigger: CopyTrigger) -> None:
+        """Move to the next state through the spec's `COPY` table (illegal ones raise)."""
+        self.state = COPY.step(trigger, self.state, self)
 
     def wait(self) -> None:
         """Order the caller's later work after this copy (see class docstring)."""
@@ -84,9 +93,14 @@ class Copy:
             self._engine.wait(self)
 
     def run(self) -> None:
-        """Move the data now, on the current stream."""
-        for src, dst in self.moves:
-            dst.copy_(src, non_blocking=True)
+        """Move the data now, on the current stream, outside autograd.
+
+        Copies never record an autograd graph: a runtime state that requires
+        grad is read as plain data, and the pools never join a graph.
+        """
+        with torch.no_grad():
+            for src, dst in self.moves:
+                dst.copy_(src, non_blocking=True)
 
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
@@ -162,7 +176,7 @@ class DeviceCopies(CopyEngine):
         stream = self._stream
         if stream is None:
             copy.run()
-            copy._finished = True
+            copy.fire(CopyTrigger.FINISH)
             return
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
@@ -196,7 +210,7 @@ class ManualCopies(CopyEngine):
 
     def pending(self) -> list[Copy]:
         """Queued copies not yet completed, oldest first."""
-        return [c for c in self._inflight if not c._finished]
+        return [c for c in self._inflight if c.state == _QUEUED]
 
     def complete(self, copy: Copy) -> None:
         """Move `copy`'s data now (after the earlier pending copies it depends on)."""
@@ -204,15 +218,15 @@ class ManualCopies(CopyEngine):
             raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:
             raise InvalidArgument(f"{copy!r} was not queued on this ManualCopies")
-        if copy._finished:
+        if copy.state != _QUEUED:
             return
         for earlier in self._inflight:
             if earlier is copy:
                 break
-            if not earlier._finished and earlier.resources & copy.resources:
+            if earlier.state == _QUEUED and earlier.resources & copy.resources:
                 self.complete(earlier)
         copy.run()
-        copy._finished = True
+        copy.fire(CopyTrigger.FINISH)
 
     def complete_all(self) -> None:
         """Complete every pending copy, oldest first."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import collections.abc
 import operator
 from array import array
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, TypeAlias
 
 from spec.errors import InvalidArgument, InvalidType
+
+TokenIds: TypeAlias = collections.abc.Sequence[int]
+"""Token ids as the API takes them: a list or tuple of integers."""
 
 
 def int_arg(name: str, value: object) -> int:

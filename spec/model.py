@@ -124,9 +124,15 @@ from spec.errors import (
 from spec.lifecycle import (
     CHECKPOINT,
     NODE,
+    RECEIPT,
     CheckpointState,
+    CheckpointTrigger,
     NodeState,
+    NodeTrigger,
+    ReceiptState,
+    ReceiptTrigger,
     implied_checkpoint_state,
+    implied_copy_state,
     implied_node_state,
 )
 from spec.snapshot import (
@@ -268,7 +274,12 @@ class ModelCopy:
         self._touches = touches
 
     def __repr__(self) -> str:
-        return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, done={self.done})"
+        return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, {self.state})"
+
+    @property
+    def state(self) -> str:
+        """The copy lifecycle state its facts imply (`spec.lifecycle.COPY`)."""
+        return implied_copy_state(reaped=self.reaped, failed=False, moved=self.done).value
 
 
 class ModelReceipt:
@@ -278,6 +289,12 @@ class ModelReceipt:
         self._owner = owner
         self._checkpoint = checkpoint
         self._used = False
+
+    @property
+    def state(self) -> str:
+        """The receipt lifecycle state (`spec.lifecycle.RECEIPT`): issued or redeemed."""
+        state = ReceiptState.REDEEMED if self._used else ReceiptState.ISSUED
+        return str(state.value)
 
 
 # --------------------------------------------------------------------------- validation
@@ -469,7 +486,7 @@ class ReferenceCache:
 
     # ------------------------------------------------------------------ primitive changes
 
-    def _drop_checkpoint(self, c: _Checkpoint, trigger: str) -> None:
+    def _drop_checkpoint(self, c: _Checkpoint, trigger: CheckpointTrigger) -> None:
         """Release / replace / evict a live checkpoint (frees its slot and frozen block)."""
         CHECKPOINT.step(trigger, self._checkpoint_state(c).value, f"checkpoint #{c.serial}")
         c.present = False
@@ -481,9 +498,9 @@ class ReferenceCache:
         if not index:
             return False
         node = index[0]
-        NODE.step("free", NodeState.EVICTABLE.value, f"node #{node.serial}")
+        NODE.step(NodeTrigger.FREE, NodeState.EVICTABLE.value, f"node #{node.serial}")
         if node.checkpoint is not None:
-            self._drop_checkpoint(node.checkpoint, "evict")
+            self._drop_checkpoint(node.checkpoint, CheckpointTrigger.EVICT)
             self._stats["evicted_checkpoints"] += 1
         self._nodes.remove(node)
         node.attached = False
@@ -506,7 +523,7 @@ class ReferenceCache:
             index = self._checkpoint_index()
             if not index:
                 break
-            self._drop_checkpoint(index[0], "evict")
+            self._drop_checkpoint(index[0], CheckpointTrigger.EVICT)
             released += 1
         self._stats["evicted_checkpoints"] += released
         return released
@@ -521,7 +538,7 @@ class ReferenceCache:
             if not holders:
                 break
             before = len(self._free_block_list())
-            self._drop_checkpoint(holders[0], "evict")
+            self._drop_checkpoint(holders[0], CheckpointTrigger.EVICT)
             self._stats["evicted_checkpoints"] += 1
             gained = len(self._free_block_list()) - before
             self._stats["evicted_blocks"] += gained
@@ -646,7 +663,11 @@ class ReferenceCache:
                     c.tail != toks[d * B : c.step] or c.tail_extra != _identity(ext, d)
                 ):
                     continue
-                CHECKPOINT.step("pin", self._checkpoint_state(c).value, f"checkpoint #{c.serial}")
+                CHECKPOINT.step(
+                    CheckpointTrigger.PIN,
+                    self._checkpoint_state(c).value,
+                    f"checkpoint #{c.serial}",
+                )
                 seq._path = walked[:d]
                 seq.num_cached_tokens = c.step
                 seq.restore = ModelRestore(c)
@@ -777,7 +798,7 @@ class ReferenceCache:
             slot = old.slot
             if reuse_frozen:
                 frozen = old.frozen_block
-            self._drop_checkpoint(old, "replace")
+            self._drop_checkpoint(old, CheckpointTrigger.REPLACE)
         else:
             free_slots = self._free_slot_list()
             if not free_slots:
@@ -790,10 +811,10 @@ class ReferenceCache:
         self._clock += 1
         self._ckpt_serial += 1
         c = _Checkpoint(self._ckpt_serial, anchor, st, tail, tail_extra, slot, frozen, self._clock)
-        CHECKPOINT.step("reserve", CheckpointState.ABSENT.value)
+        CHECKPOINT.step(CheckpointTrigger.RESERVE, CheckpointState.ABSENT.value)
         anchor.checkpoint = c
         cp = self._queue_copy("save", c, s.block_ids[d] if partial else None)
-        CHECKPOINT.step("publish", CheckpointState.RESERVED.value)
+        CHECKPOINT.step(CheckpointTrigger.PUBLISH, CheckpointState.RESERVED.value)
         c.published = True
         self._stats["checkpoints_saved"] += 1
         self._settle(cp)
@@ -807,7 +828,9 @@ class ReferenceCache:
             raise CheckpointError(f"restore: sequence #{s._id} was already restored")
         c = s.restore._checkpoint
         if not c.present:  # unreachable: the match pin keeps it
-            CHECKPOINT.step("pin", CheckpointState.ABSENT.value, f"checkpoint #{c.serial}")
+            CHECKPOINT.step(
+                CheckpointTrigger.PIN, CheckpointState.ABSENT.value, f"checkpoint #{c.serial}"
+            )
         d = c.step // self._B
         partial = c.step % self._B != 0
         if partial and s.num_committed_tokens >= (d + 1) * self._B:
@@ -849,7 +872,7 @@ class ReferenceCache:
             raise CheckpointError(f"pin: sequence #{s._id} has no restore checkpoint")
         c = s.restore._checkpoint
         state = self._checkpoint_state(c)
-        CHECKPOINT.step("pin", state.value, f"checkpoint #{c.serial}")
+        CHECKPOINT.step(CheckpointTrigger.PIN, state.value, f"checkpoint #{c.serial}")
         receipt = ModelReceipt(self, c)
         self._receipts.append(receipt)
         return receipt
@@ -863,6 +886,7 @@ class ReferenceCache:
             raise PinError(
                 f"unpin: the receipt on checkpoint #{receipt._checkpoint.serial} was already used"
             )
+        RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, "pin receipt")
         receipt._used = True
         self._receipts.remove(receipt)
 
@@ -919,7 +943,7 @@ class ReferenceCache:
                 key=n.key,
                 block=n.block,
                 children=sorted(c.serial for c in self._children(n)),
-                state="root" if is_root else self._node_state(n, rc).value,
+                state=NodeState.ROOT.value if is_root else self._node_state(n, rc).value,
                 tick=n.tick,
                 serial=n.serial,
                 checkpoint=None if n.checkpoint is None else n.checkpoint.serial,
@@ -958,6 +982,7 @@ class ReferenceCache:
                 blocks=list(cp._blocks),
                 pins=[c.serial for c in cp._pins],
                 done=cp.done,
+                state=cp.state,
             )
             for cp in self._copies
         }
