@@ -65,6 +65,7 @@ NODE_TRANSITIONS: tuple[tuple[str, tuple[NodeState, ...], NodeState], ...] = (
     ("unpin", (NodeState.PINNED,), NodeState.CACHED),
     ("free", (NodeState.EVICTABLE,), NodeState.FREED),
 )
+"""The whole node lifecycle as `(trigger, sources, destination)`; any other pair is illegal."""
 
 # (trigger, sources, destination) -- the whole checkpoint lifecycle.
 CHECKPOINT_TRANSITIONS: tuple[tuple[str, tuple[CheckpointState, ...], CheckpointState], ...] = (
@@ -77,6 +78,11 @@ CHECKPOINT_TRANSITIONS: tuple[tuple[str, tuple[CheckpointState, ...], Checkpoint
     ("replace", (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
     ("evict", (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
 )
+"""The whole checkpoint lifecycle as `(trigger, sources, destination)`.
+
+No transition leaves `pinned` except `pin`, `unpin` and `unpin_last`: releasing,
+replacing or evicting a pinned checkpoint is illegal (invariant 2, pin safety).
+"""
 
 
 @dataclass(frozen=True)
@@ -187,17 +193,20 @@ def _build(
 
 
 NODE = _build("node", [s.value for s in NodeState], NodeState.CACHED.value, NODE_TRANSITIONS)
+"""The node lifecycle; `NODE.step(trigger, state)` is the O(1) transition the cache uses."""
 CHECKPOINT = _build(
     "checkpoint",
     [s.value for s in CheckpointState],
     CheckpointState.ABSENT.value,
     CHECKPOINT_TRANSITIONS,
 )
+"""The checkpoint lifecycle; `CHECKPOINT.step(trigger, state)` as for `NODE`."""
 LIFECYCLES: tuple[Lifecycle, ...] = (NODE, CHECKPOINT)
+"""Every lifecycle, in the order the generated lifecycle page draws them."""
 
 
 def implied_node_state(*, attached: bool, leaf: bool, block_refs: int, pins: int) -> NodeState:
-    """The node state that the facts imply (DESIGN.md, "Lifecycles").
+    """The node state that the facts imply (the contract's node lifecycle).
 
     `block_refs` is the node's KV block reference count (the trie's own reference
     included); `pins` is its checkpoint's pin count (0 without a checkpoint).
