@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 # The spec modules whose public names the `spec` reference page must document.
-SPEC_MODULES = ("spec.lifecycle", "spec.invariants", "spec.errors", "spec.model")
+SPEC_MODULES = ("spec.lifecycle", "spec.invariants", "spec.errors", "spec.model", "spec.snapshot")
 
 
 def public_names(module: str) -> list[str]:
