@@ -31,14 +31,24 @@ def _shape(name: str, value: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Sizes, layouts and devices of a `BlockTrie` (see DESIGN.md, "Public API").
+    """Sizes, layouts and devices of a `BlockTrie` (the contract page, "Public API").
 
-    - `block_size`: tokens per KV block; only full blocks enter the trie.
-    - `num_blocks`: KV blocks in the pool.
-    - `kv_block_shape`: per-block storage shape, or None for an ids-only pool.
-    - `num_checkpoint_slots`: SSM checkpoint slots; 0 for attention-only models.
-    - `state_shapes`: per named SSM state, the shape of one sequence's state.
-      Empty with slots > 0 gives an ids-only state pool (capacity planning).
+    Frozen; validated once when constructed: a field that breaks its rule raises
+    `ConfigError` (a `ValueError`) naming the field, and no config is made.
+
+    - `block_size`: tokens per KV block (an int > 0); only full blocks enter the trie.
+    - `num_blocks`: KV blocks in the pool (an int > 0).
+    - `kv_block_shape`: per-block storage shape (a tuple of ints > 0), or None for
+      an ids-only pool.
+    - `kv_dtype`: the KV pool's `torch.dtype` (default float16).
+    - `num_checkpoint_slots`: SSM checkpoint slots (an int >= 0); 0 for
+      attention-only models (then `ssm` is False and `save` / `restore` / `pin`
+      raise `CheckpointError`).
+    - `state_shapes`: per named SSM state (a non-empty str), the shape of one
+      sequence's state (a tuple of ints > 0). Empty with slots > 0 gives an
+      ids-only state pool (capacity planning).
+    - `state_dtype`: the checkpoint pool's `torch.dtype` (default float32); runtime
+      state of another dtype is converted by the copies.
     - `device`: where the pools live ("cpu", "cuda", "cuda:1", a torch.device).
     - `enable_events`: emit BlockStored / BlockRemoved / AllBlocksCleared. They
       accumulate until `BlockTrie.drain_events()`: an engine that never drains

@@ -1,4 +1,4 @@
-"""The invariants of DESIGN.md as named predicates over a `Snapshot`.
+"""The contract's numbered invariants as named predicates over a `Snapshot`.
 
 Each predicate returns the list of problems it found (empty when it holds), so
 a failure names the invariant and the object. `check_all` runs them in order
@@ -337,7 +337,7 @@ INVARIANTS: tuple[tuple[str, SnapshotPredicate], ...] = (
     ("accounting", accounting),
     ("events", events),
 )
-"""Every single-snapshot invariant, by name, in DESIGN.md order (8 compares two)."""
+"""Every single-snapshot invariant, by name, in the contract's order (8 compares two)."""
 
 
 def violations(snap: Snapshot) -> list[tuple[str, str]]:

@@ -145,6 +145,7 @@ NODE_TRANSITIONS: tuple[tuple[NodeTrigger, tuple[NodeState, ...], NodeState], ..
     (NodeTrigger.UNPIN, (NodeState.PINNED,), NodeState.CACHED),
     (NodeTrigger.FREE, (NodeState.EVICTABLE,), NodeState.FREED),
 )
+"""The whole node lifecycle as `(trigger, sources, destination)`; any other pair is illegal."""
 
 # (trigger, sources, destination) -- the whole checkpoint lifecycle. Commands
 # (reserve, publish, pin, release, replace, evict) fire their trigger; a pin
@@ -169,11 +170,18 @@ CHECKPOINT_TRANSITIONS: tuple[
     (CheckpointTrigger.REPLACE, (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
     (CheckpointTrigger.EVICT, (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
 )
+"""The whole checkpoint lifecycle as `(trigger, sources, destination)`.
+
+No transition leaves `pinned` except `pin` and `unpin` (the last pin going):
+releasing, replacing or evicting a pinned checkpoint is illegal (invariant 2,
+pin safety).
+"""
 
 # (trigger, sources, destination) -- a pin receipt is redeemed exactly once.
 RECEIPT_TRANSITIONS: tuple[tuple[ReceiptTrigger, tuple[ReceiptState, ...], ReceiptState], ...] = (
     (ReceiptTrigger.REDEEM, (ReceiptState.ISSUED,), ReceiptState.REDEEMED),
 )
+"""The pin-receipt lifecycle: issued by a pin, redeemed by exactly one unpin."""
 
 # (trigger, sources, destination) -- a copy finishes or fails, then is reaped,
 # which is the only place its pins and block references are released.
@@ -182,6 +190,7 @@ COPY_TRANSITIONS: tuple[tuple[CopyTrigger, tuple[CopyState, ...], CopyState], ..
     (CopyTrigger.FAIL, (CopyState.QUEUED,), CopyState.FAILED),
     (CopyTrigger.REAP, (CopyState.FINISHED, CopyState.FAILED), CopyState.REAPED),
 )
+"""The copy lifecycle: queued, finished or failed, then reaped (pins released)."""
 
 
 @dataclass(frozen=True)
@@ -294,17 +303,22 @@ def _build(
 
 
 NODE = _build("node", [s.value for s in NodeState], NodeState.CACHED.value, NODE_TRANSITIONS)
+"""The node lifecycle; `NODE.step(trigger, state)` is the O(1) transition the cache uses."""
 CHECKPOINT = _build(
     "checkpoint",
     [s.value for s in CheckpointState],
     CheckpointState.ABSENT.value,
     CHECKPOINT_TRANSITIONS,
 )
+"""The checkpoint lifecycle; `CHECKPOINT.step(trigger, state)` as for `NODE`."""
 RECEIPT = _build(
     "receipt", [s.value for s in ReceiptState], ReceiptState.ISSUED.value, RECEIPT_TRANSITIONS
 )
+"""The pin-receipt lifecycle (`PinReceipt.state`)."""
 COPY = _build("copy", [s.value for s in CopyState], CopyState.QUEUED.value, COPY_TRANSITIONS)
+"""The copy lifecycle (`Copy.state`)."""
 LIFECYCLES: tuple[Lifecycle, ...] = (NODE, CHECKPOINT, RECEIPT, COPY)
+"""Every lifecycle, in the order the generated lifecycle page draws them."""
 
 
 def implied_node_state(
