@@ -213,7 +213,13 @@ class ManualCopies(CopyEngine):
         return [c for c in self._inflight if c.state == _QUEUED]
 
     def complete(self, copy: Copy) -> None:
-        """Move `copy`'s data now (after the earlier pending copies it depends on)."""
+        """Move `copy`'s data now, after the earlier pending copies that share a
+        block or slot with it, transitively ([R36]). Completing releases no pin:
+        the trie's `poll()` reaps the copy.
+
+        Raises `InvalidType` for a non-copy, `InvalidArgument` for a copy not
+        queued on this engine ([R3]).
+        """
         if not isinstance(copy, Copy):
             raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:

@@ -522,6 +522,7 @@ class BlockTrie:
                     self._slots.give(slot)
                 raise
 
+        new_root = anchor is None
         if anchor is None:  # created only now that nothing can fail ([R6], [R11])
             anchor = self._root(seq.namespace)
         if old is not None:
@@ -545,6 +546,8 @@ class BlockTrie:
             # one cannot come back: its slot was being overwritten.
             self._checkpoints.unpin(copy.receipts[0])
             self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
+            if new_root:
+                del self._roots[seq.namespace]
             self._clock -= 1
             stats.checkpoints_saved -= 1
 

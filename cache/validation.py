@@ -27,7 +27,7 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
     Token ids are integers (anything `operator.index` accepts: int, bool,
     numpy integers) in [0, 2**64), in a list or tuple. One C-speed pass
     (`array("Q", ...)`) accepts valid input; only a failure takes the slow
-    path that names the first offending element, types before ranges.
+    path that names the first offending element, types before ranges ([R1], [R2]).
     """
     if not isinstance(tokens, (list, tuple)):
         raise InvalidType(f"{what} must be a list or tuple of ints, got {type(tokens).__name__}")
