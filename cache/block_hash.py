@@ -136,7 +136,7 @@ def _block_struct(n: int) -> struct.Struct:
 def cbor_canonical(value: object) -> bytes:
     """Canonical CBOR (RFC 8949 core deterministic form) of the values vLLM hashes.
 
-    Covers None, bool, int, str, bytes and tuples/lists of those: exactly the
+    Covers None, bool, int, str, bytes and tuples of those: exactly the
     bytes `cbor2.dumps(value, canonical=True)` gives for them. Other types
     raise `TypeError`.
     """
@@ -191,7 +191,7 @@ def _cbor_into(value: object, out: bytearray) -> None:
         raw = bytes(value)
         _cbor_head(2, len(raw), out)
         out += raw
-    elif isinstance(value, (tuple, list)):
+    elif isinstance(value, tuple):
         _cbor_head(4, len(value), out)
         for item in value:
             _cbor_into(item, out)
