@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from collections.abc import Hashable, Sequence
+from typing import Literal, Protocol
 
 __all__ = [
     "MASK64",
     "SCHEMES",
     "BlockHasher",
+    "ChainFn",
     "cbor_canonical",
     "chain",
     "encode_value",
@@ -225,18 +226,27 @@ def extra_keys(extra: Hashable, namespace: str = "") -> tuple[object, ...] | Non
 # ------------------------------------------------------------ the hasher
 
 
+class ChainFn(Protocol):
+    """Signature of `BlockHasher.chain_fn`."""
+
+    def __call__(
+        self, parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
+    ) -> int: ...
+
+
 class BlockHasher:
     """Computes root and block hashes for one (scheme, seed).
 
     `root(namespace)` seeds a namespace's chain; `chain(parent, tokens, extra,
     namespace)` hashes one full block under its parent's hash. Results are
     ints: in ``[0, 2**64)`` for ``"xxh3"``, full 256-bit digests for
-    ``"vllm"`` (publish `to_wire(h)`). Raises `ValueError` for an unknown
+    ``"vllm"`` (publish `to_wire(h)`). `chain_fn` is `chain` as a plain
+    function, for hot paths. Raises `ValueError` for an unknown
     scheme or a seed outside ``[0, 2**64)``, `ImportError` (naming the
     ``events`` extra) when ``xxhash`` is missing.
     """
 
-    __slots__ = ("_chain", "_roots", "scheme", "seed")
+    __slots__ = ("_roots", "chain_fn", "scheme", "seed")
 
     def __init__(self, scheme: str = "xxh3", seed: int = 0) -> None:
         if scheme not in SCHEMES:
@@ -246,7 +256,8 @@ class BlockHasher:
         self.scheme = scheme
         self.seed = seed
         self._roots: dict[str, int] = {}
-        self._chain: Callable[[int, Sequence[int], Hashable, str], int]
+        self.chain_fn: ChainFn
+        """`chain` as a plain function (no method dispatch): for the commit hot path."""
         if scheme == "xxh3":
             try:
                 import xxhash
@@ -255,30 +266,36 @@ class BlockHasher:
                     "block_hash='xxh3' needs the xxhash package: pip install 'blocktrie[events]'"
                 ) from exc
             digest = xxhash.xxh3_64_intdigest
+            structs = _token_structs
 
             def xxh3_chain(
-                parent: int, tokens: Sequence[int], extra: Hashable, namespace: str
+                parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
             ) -> int:
+                n = len(tokens)
+                packer = structs.get(n) or _block_struct(n)
                 try:
-                    data = _block_struct(len(tokens)).pack(parent & MASK64, len(tokens), *tokens)
+                    data = packer.pack(parent, n, *tokens)
                 except struct.error as exc:
-                    raise ValueError(f"token ids must be 64-bit signed ints: {exc}") from None
+                    raise ValueError(
+                        f"parent hash must be a u64 and token ids 64-bit signed ints: {exc}"
+                    ) from None
                 if extra is not None:
                     data += encode_value(extra)
-                return int(digest(data, seed))
+                h: int = digest(data, seed)
+                return h
 
-            self._chain = xxh3_chain
+            self.chain_fn = xxh3_chain
         else:
 
             def vllm_chain(
-                parent: int, tokens: Sequence[int], extra: Hashable, namespace: str
+                parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
             ) -> int:
                 payload = cbor_canonical(
                     (parent.to_bytes(32, "big"), tuple(tokens), extra_keys(extra, namespace))
                 )
                 return int.from_bytes(hashlib.sha256(payload).digest(), "big")
 
-            self._chain = vllm_chain
+            self.chain_fn = vllm_chain
 
     def root(self, namespace: str = "") -> int:
         """The chain seed of `namespace` (cached per namespace)."""
@@ -307,7 +324,7 @@ class BlockHasher:
         `namespace` matters only to ``"vllm"`` (it is the LoRA name in the
         extra keys); ``"xxh3"`` takes it from the root.
         """
-        return self._chain(parent, tokens, extra, namespace)
+        return self.chain_fn(parent, tokens, extra, namespace)
 
 
 _hashers: dict[tuple[str, int], BlockHasher] = {}

@@ -153,6 +153,8 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="hash_seed"):
         BlockHasher("xxh3", 2**64)
     with pytest.raises(ValueError, match="token ids"):
+        BlockHasher("xxh3").chain(2**64, [1])
+    with pytest.raises(ValueError, match="token ids"):
         BlockHasher("xxh3").chain(0, [2**63])
     with pytest.raises(ValueError, match="Unicode"):
         encode_value("\ud800")
