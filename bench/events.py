@@ -1,16 +1,9 @@
 """KV-event cost per stored block, against the cache's own per-block cost in the same run.
 
 `bench_events(...)` returns a dict (ns per block; ratios); `print_events(result)`
-prints it. To add it to ``python -m bench.run`` as a section ``events``::
-
-    from bench.events import bench_events, print_events
-
-    def bench_events_section(args, out):
-        out["events"] = r = bench_events()
-        print_events(r, console.print)
-
-and register ``"events": bench_events_section`` in `main`'s section table.
-Standalone: ``python -m bench.events [--chains N] [--json PATH]``.
+prints it. ``python -m bench.run`` runs it as its ``events`` section
+(`bench.run.bench_events_section`). Standalone: ``python -m bench.events
+[--chains N] [--json PATH]``.
 
 Measured, per stored block (chains of `chain_blocks` full blocks of
 `block_size` tokens, one commit per chain, `commits_per_batch` commits per
