@@ -64,7 +64,8 @@ class KVEventPublisher:
     - `replay_endpoint`: ROUTER address for replay requests (always bound), or None.
     - `topic`: first frame of every message.
     - `buffer_batches`: sent batches kept for replay.
-    - `data_parallel_rank`: written into every batch.
+    - `data_parallel_rank`: written into every batch. Unlike vLLM, the port
+      is not offset by the rank: give each rank its own endpoint.
     - `queue_batches`: batches that may wait for the sender thread before
       `publish` starts dropping.
     - `legacy`: send vLLM's pre-2026 positional event encoding.
