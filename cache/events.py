@@ -114,7 +114,7 @@ def checkpoint_stored(
     checkpoint_hash: int,
     slot: int,
     parent_block_hash: int | None,
-    tail_tokens: tuple[int, ...],
+    token_ids: tuple[int, ...],
     block_size: int,
     namespace: str,
     *,
@@ -123,19 +123,23 @@ def checkpoint_stored(
 ) -> BlockStored:
     """The event for a checkpoint published in `slot` (hybrid models).
 
-    A checkpoint at a block boundary (empty `tail_tokens`) takes the hash of
-    the KV block it ends at (`checkpoint_hash` = that block's hash,
-    `parent_block_hash` = that block's parent), so a router finds the same hash
-    in `KV_GROUP` and `CHECKPOINT_GROUP` exactly where an SSM hit can end, as
-    vLLM's Mamba groups do. A checkpoint with a partial tail hashes the tail
-    under the block it follows (`checkpoint_hash` = `chain(node_hash, tail,
-    tail_extra)`, `parent_block_hash` = node_hash, `token_ids` = the tail).
+    As for every stored block, `checkpoint_hash` is the chain hash of
+    `token_ids` (with `extra_keys`) under `parent_block_hash` (the namespace
+    root when None), so a router can recompute it:
+
+    - a checkpoint at a block boundary is the KV block it ends at: its hash,
+      its parent's hash, its tokens. A router thus finds the same hash in
+      `KV_GROUP` and `CHECKPOINT_GROUP` exactly where an SSM hit can end, as
+      with vLLM's Mamba groups;
+    - a checkpoint with a partial tail past block `node` hashes the tail under
+      it: `chain(node_hash, tail, tail_extra)`, parent `node_hash` (None when
+      `node` is the root), `token_ids` the tail.
     """
     return BlockStored(
         (checkpoint_hash,),
         (slot,),
         parent_block_hash,
-        tail_tokens,
+        token_ids,
         block_size,
         namespace,
         medium,

@@ -133,7 +133,7 @@ def _sample() -> list[Event]:
         BlockStored(
             (c,), (7,), None, (9, 9), 2, "tenant", extra_keys=(extra_keys(None, "tenant"),)
         ),
-        checkpoint_stored(b, 0, a, (), 2, ""),
+        checkpoint_stored(b, 0, a, (3, 4), 2, "", extra_keys=("img", 0)),
         BlockRemoved((b,), (6,), ""),
         checkpoint_removed((b,), (0,), ""),
         AllBlocksCleared(),
@@ -158,7 +158,7 @@ def test_batch_decodes_with_vllm_schema() -> None:
     assert s1.lora_name == "tenant" and s1.extra_keys == [("tenant",)]
     assert ck.group_idx == CHECKPOINT_GROUP and ck.kv_cache_spec_kind == KIND_MAMBA
     assert ck.block_hashes == [s0.block_hashes[1]] and ck.parent_block_hash == s0.block_hashes[0]
-    assert ck.token_ids == []
+    assert ck.token_ids == [3, 4] and ck.extra_keys == [("img", 0)]
     assert isinstance(rm, VBlockRemoved) and rm.block_hashes == [s0.block_hashes[1]]
     assert rm.group_idx == KV_GROUP and rm.medium == "GPU"
     assert isinstance(ckrm, VBlockRemoved) and ckrm.group_idx == CHECKPOINT_GROUP
