@@ -13,7 +13,7 @@ Two schemes (`CacheConfig.block_hash`):
 over this byte layout (all integers little-endian):
 
 - root: ``b"blocktrie-root\\x00" || enc(namespace)``
-- block: ``u64(parent) || u32(len(tokens)) || i64(token) for each token ||
+- block: ``u64(parent) || u32(len(tokens)) || u64(token) for each token ||
   (b"" if extra is None else enc(extra))``
 
 where ``enc`` is the canonical value encoding (see `encode_value`): ``None ->
@@ -127,7 +127,7 @@ _token_structs: dict[int, struct.Struct] = {}
 def _block_struct(n: int) -> struct.Struct:
     s = _token_structs.get(n)
     if s is None:
-        s = _token_structs[n] = struct.Struct(f"<QI{n}q")
+        s = _token_structs[n] = struct.Struct(f"<QI{n}Q")
     return s
 
 
@@ -277,7 +277,7 @@ class BlockHasher:
                     data = packer.pack(parent, n, *tokens)
                 except struct.error as exc:
                     raise ValueError(
-                        f"parent hash must be a u64 and token ids 64-bit signed ints: {exc}"
+                        f"parent hash must be a u64 and token ids in [0, 2**64): {exc}"
                     ) from None
                 if extra is not None:
                     data += encode_value(extra)

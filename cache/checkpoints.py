@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from cache.event_log import EventLog
 from cache.keys import block_identity
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
@@ -47,14 +48,32 @@ class CheckpointStore:
     reference only when it drops that tail's checkpoint.
     """
 
-    __slots__ = ("_kv", "_owner", "_serial", "_stats", "lru", "on_pins_changed", "slots")
+    __slots__ = (
+        "_block_size",
+        "_events",
+        "_kv",
+        "_owner",
+        "_serial",
+        "_stats",
+        "lru",
+        "on_pins_changed",
+        "slots",
+    )
 
     def __init__(
-        self, slots: CheckpointSlotPool, kv: KVBlockPool, stats: CacheStats, owner: object
+        self,
+        slots: CheckpointSlotPool,
+        kv: KVBlockPool,
+        stats: CacheStats,
+        events: EventLog,
+        block_size: int,
+        owner: object,
     ) -> None:
         self.slots = slots
         self._kv = kv
         self._stats = stats
+        self._events = events
+        self._block_size = block_size
         self._owner = owner
         self._serial = 0
         self.lru: LRUIndex[Checkpoint] = LRUIndex()
@@ -128,6 +147,11 @@ class CheckpointStore:
         if new == _PUBLISHED:
             self.lru.add(ck)
 
+    def publish(self, ck: Checkpoint) -> None:
+        """A reserved checkpoint becomes matchable (and is announced, with events on)."""
+        self.move(ck, CheckpointTrigger.PUBLISH)
+        self._events.checkpoint_published(ck, self._block_size)
+
     def _settle(self, ck: Checkpoint) -> None:
         """Route `ck` to the state its pin count implies."""
         implied = implied_checkpoint_state(
@@ -160,7 +184,10 @@ class CheckpointStore:
 
     def drop(self, ck: Checkpoint, trigger: CheckpointTrigger) -> int:
         """Release / evict / replace an unpinned checkpoint; returns KV blocks freed."""
+        announced = ck.state == _PUBLISHED
         self.move(ck, trigger)
+        if announced:
+            self._events.checkpoint_dropped(ck)
         ck.anchor.checkpoint = None
         self.slots.give(ck.slot)
         if ck.frozen_block is not None and self._kv.decref(ck.frozen_block):

@@ -8,30 +8,81 @@ are disabled every `emit_*` is a no-op and nothing accumulates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, replay
+from cache.events import (
+    CHECKPOINT_GROUP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    checkpoint_removed,
+    checkpoint_stored,
+    replay,
+)
 
 if TYPE_CHECKING:
-    from cache.node import Node
+    from cache.block_hash import BlockHasher, ChainFn
+    from cache.node import Checkpoint, Node
 
 
 class EventLog:
-    """Emitted events until drained. Single-threaded, like the trie that owns it."""
+    """Emitted events until drained. Single-threaded, like the trie that owns it.
 
-    __slots__ = ("_drained_view", "_events", "enabled")
+    With events on it also owns the block hasher (`cache.block_hash`): `root`
+    and `chain` give the stable chained hashes that nodes and checkpoints
+    carry, so events name blocks the same way in every process and replica.
+    """
 
-    def __init__(self, enabled: bool) -> None:
+    __slots__ = (
+        "_drained_checkpoints",
+        "_drained_view",
+        "_events",
+        "chain",
+        "enabled",
+        "hasher",
+    )
+
+    def __init__(self, enabled: bool, scheme: str = "xxh3", seed: int = 0) -> None:
         self.enabled = enabled
         self._events: list[Event] = []
         self._drained_view: set[int] = set()
+        self._drained_checkpoints: set[int] = set()
+        self.hasher: BlockHasher | None = None
+        self.chain: ChainFn | None = None
+        if enabled:
+            from cache.block_hash import BlockHasher
+
+            self.hasher = BlockHasher(scheme, seed)
+            self.chain = self.hasher.chain_fn
+
+    def root_hash(self, namespace: str) -> int:
+        """The chain seed of `namespace` (0 with events off)."""
+        return self.hasher.root(namespace) if self.hasher is not None else 0
+
+    @contextmanager
+    def muted(self) -> Iterator[None]:
+        """Emit nothing inside the block (`clear` emits one `AllBlocksCleared` instead)."""
+        enabled = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
 
     def stored(self, nodes: Sequence[Node], block_size: int) -> None:
         """One `BlockStored` for a chain of nodes attached by one commit, parent first."""
         if not self.enabled or not nodes:
             return
         parent = nodes[0].parent
+        namespace = nodes[0].namespace
+        keys = None
+        if namespace or any(nd.extra is not None for nd in nodes):
+            from cache.block_hash import extra_keys
+
+            keys = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
         self._events.append(
             BlockStored(
                 block_hashes=tuple(nd.block_hash for nd in nodes),
@@ -41,7 +92,8 @@ class EventLog:
                 ),
                 token_ids=tuple(t for nd in nodes for t in nd.tokens),
                 block_size=block_size,
-                namespace=nodes[0].namespace,
+                namespace=namespace,
+                extra_keys=keys,
             )
         )
 
@@ -62,6 +114,47 @@ class EventLog:
                 )
                 start = i
 
+    def checkpoint_published(self, ck: Checkpoint, block_size: int) -> None:
+        """`ck` became matchable: a `BlockStored` in the checkpoint group.
+
+        At a block boundary the checkpoint is named by the KV block it ends at;
+        with a partial tail, by the tail's hash chained under its anchor
+        (`cache.events.checkpoint_stored`). The hash is kept on `ck` for its
+        removal.
+        """
+        if not self.enabled or self.chain is None:
+            return
+        anchor = ck.anchor
+        if ck.tail:
+            ck.block_hash = self.chain(anchor.block_hash, ck.tail, ck.tail_extra, anchor.namespace)
+            parent_hash = None if anchor.block < 0 else anchor.block_hash
+            tokens, extra = ck.tail, ck.tail_extra
+        else:
+            ck.block_hash = anchor.block_hash
+            parent = anchor.parent
+            parent_hash = None if parent is None or parent.block < 0 else parent.block_hash
+            tokens, extra = anchor.tokens, anchor.extra
+        from cache.block_hash import extra_keys
+
+        self._events.append(
+            checkpoint_stored(
+                ck.block_hash,
+                ck.slot,
+                parent_hash,
+                tokens,
+                block_size,
+                anchor.namespace,
+                extra_keys=extra_keys(extra, anchor.namespace),
+            )
+        )
+
+    def checkpoint_dropped(self, ck: Checkpoint) -> None:
+        """A published `ck` was released, replaced or evicted: a `BlockRemoved`."""
+        if self.enabled:
+            self._events.append(
+                checkpoint_removed((ck.block_hash,), (ck.slot,), ck.anchor.namespace)
+            )
+
     def cleared(self) -> None:
         """`AllBlocksCleared`: every cached block was dropped."""
         if self.enabled:
@@ -72,6 +165,7 @@ class EventLog:
         events = self._events
         self._events = []
         replay(events, self._drained_view)
+        replay(events, self._drained_checkpoints, group_idx=CHECKPOINT_GROUP)
         return events
 
     def replayed_blocks(self) -> set[int] | None:
@@ -79,3 +173,9 @@ class EventLog:
         if not self.enabled:
             return None
         return replay(self._events, set(self._drained_view))
+
+    def replayed_checkpoint_slots(self) -> set[int] | None:
+        """The checkpoint slots all events so far replay to (None when events are off)."""
+        if not self.enabled:
+            return None
+        return replay(self._events, set(self._drained_checkpoints), group_idx=CHECKPOINT_GROUP)

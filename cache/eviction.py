@@ -90,7 +90,7 @@ class Evictor:
 
     # ------------------------------------------------------------- eviction
 
-    def evict(self, n: int, *, emit: bool = True) -> int:
+    def evict(self, n: int) -> int:
         """Evict LRU evictable leaves until `n` KV blocks are freed ([R23]).
 
         Returns the blocks freed (node blocks plus frozen tails of their
@@ -98,7 +98,7 @@ class Evictor:
         """
         freed = 0
         index = self.index
-        removed: list[Node] | None = [] if emit and self._events.enabled else None
+        removed: list[Node] | None = [] if self._events.enabled else None
         while freed < n and index:
             node = index.oldest()
             freed += self._free(node)

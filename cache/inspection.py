@@ -93,6 +93,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "evictable_index": [n.serial for n in trie._evictor.index],
         "checkpoint_index": [c.serial for c in trie._checkpoints.lru],
         "event_blocks": trie._events.replayed_blocks(),
+        "event_checkpoint_slots": trie._events.replayed_checkpoint_slots(),
         "stats": dict(trie.stats.counters()),
     }
 

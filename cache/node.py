@@ -81,6 +81,7 @@ class Checkpoint:
 
     __slots__ = (
         "anchor",
+        "block_hash",
         "frozen_block",
         "pins",
         "serial",
@@ -115,6 +116,7 @@ class Checkpoint:
         self.tick = tick
         self.state = state
         self.pins = 0
+        self.block_hash = 0  # set when published with events on
 
     def __repr__(self) -> str:
         return (

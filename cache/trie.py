@@ -45,6 +45,7 @@ from cache.validation import TokenIds, extra_tuple, int_arg, token_list
 from spec.errors import (
     CacheError,
     CheckpointError,
+    ConfigError,
     InvalidArgument,
     InvalidType,
     PinError,
@@ -72,20 +73,31 @@ class BlockTrie:
         self._key_hash = config.key_hash
         self.faults = Faults()
         self.stats = CacheStats()
-        self._kv = KVBlockPool(
-            config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
-        )
-        self._slots = CheckpointSlotPool(
-            config.num_checkpoint_slots,
-            config.state_shapes,
-            config.state_dtype,
-            self.device,
-            self.faults,
-        )
+        try:
+            self._kv = KVBlockPool(
+                config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
+            )
+            self._slots = CheckpointSlotPool(
+                config.num_checkpoint_slots,
+                config.state_shapes,
+                config.state_dtype,
+                self.device,
+                self.faults,
+            )
+        except (MemoryError, RuntimeError) as exc:
+            raise ConfigError(
+                f"cannot allocate the pools of {config.num_blocks} KV blocks "
+                f"({config.kv_bytes_per_block()} B each) and {config.num_checkpoint_slots} "
+                f"checkpoint slots ({config.state_bytes_per_slot()} B each) on "
+                f"{self.device}: {exc}"
+            ) from None
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
-        self._events = EventLog(config.enable_events)
-        self._checkpoints = CheckpointStore(self._slots, self._kv, self.stats, self)
+        self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
+        self._chain = self._events.chain
+        self._checkpoints = CheckpointStore(
+            self._slots, self._kv, self.stats, self._events, config.block_size, self
+        )
         self._evictor = Evictor(self._kv, self._checkpoints, self.stats, self._events)
         self._checkpoints.on_pins_changed = self._evictor.settle
         self._transfers = Transfers(
@@ -174,7 +186,7 @@ class BlockTrie:
                 depth=0,
                 serial=-1 - len(self._roots),
                 tick=0,
-                block_hash=hash(("blocktrie-namespace", namespace)),
+                block_hash=self._events.root_hash(namespace),
                 state=NodeState.ROOT.value,
             )
             self._roots[namespace] = root
@@ -344,6 +356,7 @@ class BlockTrie:
     ) -> Node:
         self._kv.incref(block)
         self._node_serial += 1
+        chain = self._chain
         node = Node(
             parent=parent,
             key=key,
@@ -354,7 +367,9 @@ class BlockTrie:
             depth=parent.depth + 1,
             serial=self._node_serial,
             tick=tick,
-            block_hash=hash((parent.block_hash, key)) if self._events.enabled else 0,
+            block_hash=0
+            if chain is None
+            else chain(parent.block_hash, tokens, extra, parent.namespace),
             state=_CACHED,
         )
         parent.children[key] = node
@@ -442,11 +457,12 @@ class BlockTrie:
                 f"clear: {len(self._live)} live sequences, {len(inflight)} copies in "
                 f"flight and {len(self._explicit)} explicit pins must be finished first"
             )
-        self._evictor.evict(self._kv.capacity, emit=False)
-        for root in self._roots.values():
-            if root.checkpoint is not None:
-                self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
-                self.stats.evicted_checkpoints += 1
+        with self._events.muted():
+            self._evictor.evict(self._kv.capacity)
+            for root in self._roots.values():
+                if root.checkpoint is not None:
+                    self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
+                    self.stats.evicted_checkpoints += 1
         self._events.cleared()
 
     # ----------------------------------------------------------- checkpoints
@@ -537,7 +553,7 @@ class BlockTrie:
             "save", step, slot, runtime, into_checkpoint=True, frozen_block=frozen,
             seq_block=seq_block,
         )  # fmt: skip
-        self._checkpoints.move(ck, CheckpointTrigger.PUBLISH)
+        self._checkpoints.publish(ck)
         copy.receipts.append(self._checkpoints.pin(ck))
         stats.checkpoints_saved += 1
 

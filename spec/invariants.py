@@ -294,17 +294,30 @@ def accounting(snap: Snapshot) -> Problems:
 
 
 def events(snap: Snapshot) -> Problems:
-    """10. Replaying the emitted events yields exactly the cached block set."""
+    """10. Replaying the emitted events yields exactly the cached block set (and, for
+    checkpoint events, exactly the slots of the matchable checkpoints)."""
+    problems: Problems = []
     replayed = snap["event_blocks"]
-    if replayed is None:
-        return []
-    cached = set(_attached(snap))
-    if replayed != cached:
-        return [
-            f"events replay to {sorted(replayed - cached)} extra / "
-            f"{sorted(cached - replayed)} missing blocks"
-        ]
-    return []
+    if replayed is not None:
+        cached = set(_attached(snap))
+        if replayed != cached:
+            problems.append(
+                f"events replay to {sorted(replayed - cached)} extra / "
+                f"{sorted(cached - replayed)} missing blocks"
+            )
+    slots = snap.get("event_checkpoint_slots")
+    if slots is not None:
+        matchable = {
+            ck["slot"]
+            for ck in snap["checkpoints"].values()
+            if ck["state"] != CheckpointState.RESERVED.value
+        }
+        if slots != matchable:
+            problems.append(
+                f"checkpoint events replay to slots {sorted(slots - matchable)} extra / "
+                f"{sorted(matchable - slots)} missing"
+            )
+    return problems
 
 
 def rollback(before: Snapshot, after: Snapshot) -> Problems:

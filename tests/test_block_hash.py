@@ -81,9 +81,9 @@ def test_xxh3_layout_is_the_documented_one() -> None:
     assert root == xxhash.xxh3_64_intdigest(
         b"blocktrie-root\x00" + b"s" + struct.pack("<I", 2) + b"ns", seed
     )
-    toks = [5, -1, 2**40]
+    toks = [5, 2**63 + 1, 2**40]
     got = chain(root, toks, ("a", 7), seed=seed)
-    data = struct.pack("<QI3q", root, 3, *toks)
+    data = struct.pack("<QI3Q", root, 3, *toks)
     data += b"t" + struct.pack("<I", 2)
     data += b"s" + struct.pack("<I", 1) + b"a"
     data += b"i" + struct.pack("<I", 1) + bytes([7])
@@ -155,7 +155,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="token ids"):
         BlockHasher("xxh3").chain(2**64, [1])
     with pytest.raises(ValueError, match="token ids"):
-        BlockHasher("xxh3").chain(0, [2**63])
+        BlockHasher("xxh3").chain(0, [2**64])
     with pytest.raises(ValueError, match="Unicode"):
         encode_value("\ud800")
     with pytest.raises(TypeError, match="namespace"):

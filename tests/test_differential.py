@@ -102,6 +102,7 @@ class CacheVersusModel(RuleBasedStateMachine):
                 state_dtype=torch.float64,
                 device=self.device,
                 key_hash=(lambda key: 0) if collide else None,
+                enable_events=True,  # so check() also replays them (invariant 10)
             ),
             copies=self.manual,
         )
