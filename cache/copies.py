@@ -65,6 +65,8 @@ class Copy:
         resources: Iterable[Resource],
         serial: int,
     ) -> None:
+        """A copy of `moves` (source, destination) touching `resources`; built by
+        the trie (`cache.transfers`), not by users."""
         self.kind = kind
         self.step = step
         self.moves = moves
@@ -129,7 +131,7 @@ class CopyEngine:
         """Subclass hook: prepare for copies on `device`."""
 
     def queue(self, copy: Copy) -> None:
-        """Start `copy` (it may finish at once)."""
+        """Start `copy` (it may finish at once). Called by the trie, not by users."""
         copy._engine = self
         self._inflight.append(copy)
         self._start(copy)
@@ -141,7 +143,8 @@ class CopyEngine:
         """Make the caller's later work wait for `copy`."""
 
     def collect(self) -> list[Copy]:
-        """Remove and return the finished copies, oldest first."""
+        """Remove and return the copies no longer queued, oldest first (the trie's
+        `poll()` calls this, then reaps them)."""
         finished: list[Copy] = []
         pending: list[Copy] = []
         for copy in self._inflight:
@@ -152,7 +155,8 @@ class CopyEngine:
         return finished
 
     def forget(self, copy: Copy) -> None:
-        """Stop tracking a copy the trie reaped itself (it finished when queued)."""
+        """Stop tracking a copy the trie reaped itself (it finished when queued, or
+        failed while being queued). Called by the trie, not by users."""
         if self._inflight and self._inflight[-1] is copy:
             self._inflight.pop()
         elif copy in self._inflight:
@@ -209,7 +213,7 @@ class ManualCopies(CopyEngine):
         pass
 
     def pending(self) -> list[Copy]:
-        """Queued copies not yet completed, oldest first."""
+        """Queued copies not yet completed (`list[Copy]`), oldest first."""
         return [c for c in self._inflight if c.state == _QUEUED]
 
     def complete(self, copy: Copy) -> None:
@@ -240,4 +244,5 @@ class ManualCopies(CopyEngine):
             self.complete(copy)
 
     def wait(self, copy: Copy) -> None:
+        """Complete `copy` now, with the earlier copies it depends on ([R36])."""
         self.complete(copy)

@@ -18,6 +18,10 @@ The numbers in brackets cite the rules of the operational semantics
 
 Single-threaded ([R45]): one engine scheduler owns a trie. Calls from several
 threads at once are not supported.
+
+This module is longer than the ~400 lines the others keep to because each of
+its public operations carries its whole contract (takes, returns, raises,
+keeps) as a docstring; the mechanics live in the modules above.
 """
 
 from __future__ import annotations
@@ -59,20 +63,38 @@ _CACHED = NodeState.CACHED.value
 
 
 class BlockTrie:
-    """A prefix cache of KV blocks and SSM checkpoints (docs/contract.md, "Public API")."""
+    """A prefix cache of KV blocks and SSM checkpoints (the contract page, "Public API").
+
+    Every operation taking a sequence raises `InvalidType` when it is not a
+    `Sequence` and `SequenceNotLive` when this trie does not hold it as live
+    ([R3]); malformed counts raise `InvalidType` / `InvalidArgument` ([R1]).
+    A failed operation changes nothing ([R6]).
+    """
 
     def __init__(self, config: CacheConfig, copies: CopyEngine | None = None) -> None:
+        """Build the pools described by `config` and bind the copy engine.
+
+        `copies` defaults to `DeviceCopies()` (copies run on the pools' device
+        as queued); pass `ManualCopies()` to decide in tests when copies
+        finish. Raises `InvalidType` for arguments of the wrong type,
+        `ConfigError` when the pools cannot be allocated, and `CacheError`
+        when the engine is already bound to another trie.
+        """
         if not isinstance(config, CacheConfig):
             raise InvalidType(f"config must be a CacheConfig, got {type(config).__name__}")
         if copies is not None and not isinstance(copies, CopyEngine):
             raise InvalidType(f"copies must be a CopyEngine, got {type(copies).__name__}")
         self.config = config
+        """The configuration this trie was built from (frozen)."""
         self.device = torch.device(config.device)
+        """Where the pools live."""
         self._block_size = config.block_size
         self._ssm = config.ssm
         self._key_hash = config.key_hash
         self.faults = Faults()
+        """Allocation-point fault injection, for tests of transactional behaviour."""
         self.stats = CacheStats()
+        """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
         try:
             self._kv = KVBlockPool(
                 config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
@@ -665,7 +687,8 @@ class BlockTrie:
         return inspection.snapshot(self)
 
     def check(self) -> None:
-        """Verify every spec invariant on the live structure; raises `InvariantViolation`."""
+        """Verify invariants 1-7, 9 and 10 (`spec.invariants.INVARIANTS`) on the live
+        structure; raises `InvariantViolation` naming the first one broken."""
         inspection.check(self)
 
     def __repr__(self) -> str:
