@@ -26,7 +26,9 @@ keeps) as a docstring; the mechanics live in the modules above.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+import functools
+from collections.abc import Callable, Hashable, Mapping
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -49,6 +51,7 @@ from cache.validation import TokenIds, extra_tuple, int_arg, token_list
 from spec.errors import (
     CacheError,
     CheckpointError,
+    ConcurrentUse,
     ConfigError,
     InvalidArgument,
     InvalidType,
@@ -60,6 +63,35 @@ from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _exclusive(
+    method: Callable[Concatenate[BlockTrie, _P], _T],
+) -> Callable[Concatenate[BlockTrie, _P], _T]:
+    """Refuse to enter an operation while another one is running ([R45]).
+
+    The cache is single-threaded; two threads inside it at once would corrupt
+    it. This flag costs one attribute test per call and turns that into a
+    `ConcurrentUse` error for the second caller, before it changes anything.
+    """
+
+    def guarded(self: BlockTrie, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if self._busy:
+            raise ConcurrentUse(
+                f"{method.__name__}: this cache is already running an operation in another "
+                "thread; a BlockTrie is single-threaded (one scheduler owns it)"
+            )
+        self._busy = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy = False
+
+    functools.update_wrapper(guarded, method)
+    return guarded
 
 
 class BlockTrie:
@@ -131,6 +163,7 @@ class BlockTrie:
         self._seq_serial = 0
         self._live: dict[int, Sequence] = {}
         self._explicit: dict[int, PinReceipt] = {}
+        self._busy = False
 
     # ------------------------------------------------------------------ counts
 
@@ -216,6 +249,7 @@ class BlockTrie:
 
     # ----------------------------------------------------------------- match
 
+    @_exclusive
     def match(self, tokens: TokenIds, namespace: str = "", extra: object = None) -> Sequence:
         """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
 
@@ -283,11 +317,13 @@ class BlockTrie:
 
     # ------------------------------------------------------- append/allocate
 
+    @_exclusive
     def append(self, seq: Sequence, tokens: TokenIds) -> None:
         """Extend `seq.tokens` (decode) ([R4]). Raises `SequenceNotLive` for a dead sequence."""
         self._check_live(seq)
         seq.token_list.extend(token_list(tokens))
 
+    @_exclusive
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Make the block table cover `tokens[:num_tokens]` ([R15]), evicting LRU
         leaves and then unpinned frozen tails if short ([R17]).
@@ -309,6 +345,7 @@ class BlockTrie:
 
     # ---------------------------------------------------------------- commit
 
+    @_exclusive
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """`tokens[:num_tokens]` have computed KV: attach their full blocks to the trie.
 
@@ -403,6 +440,7 @@ class BlockTrie:
 
     # ------------------------------------------------------- release / abort
 
+    @_exclusive
     def release(self, seq: Sequence) -> None:
         """The request is done: drop its references ([R20]); committed blocks stay cached.
 
@@ -415,6 +453,7 @@ class BlockTrie:
             node.tick = tick  # [R8]; held by seq, so in no index while it changes
         self._drop(seq)
 
+    @_exclusive
     def abort(self, seq: Sequence) -> None:
         """Reject a tentative match: undo its references, pin and statistics ([R21]).
 
@@ -447,6 +486,7 @@ class BlockTrie:
 
     # ---------------------------------------------------------------- evict
 
+    @_exclusive
     def evict(self, num_blocks: int) -> int:
         """Evict LRU evictable leaves until `num_blocks` KV blocks are freed ([R23]).
 
@@ -459,6 +499,7 @@ class BlockTrie:
             raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
         return self._evictor.evict(n)
 
+    @_exclusive
     def evict_checkpoints(self, n: int) -> int:
         """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes
         stay ([R24]). Returns how many; pinned ones are never touched (invariant 2)."""
@@ -467,6 +508,7 @@ class BlockTrie:
             raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
         return self._checkpoints.evict_lru(count)
 
+    @_exclusive
     def clear(self) -> None:
         """Drop every cached block and checkpoint ([R22]).
 
@@ -489,6 +531,7 @@ class BlockTrie:
 
     # ----------------------------------------------------------- checkpoints
 
+    @_exclusive
     def save(
         self, seq: Sequence, step: int, runtime_state: Mapping[str, torch.Tensor] | None
     ) -> Copy | None:
@@ -586,12 +629,15 @@ class BlockTrie:
             self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
             if new_root:
                 del self._roots[seq.namespace]
+            if old is not None:  # [R38]: lost with its slot's data, so counted
+                stats.evicted_checkpoints += 1
             self._clock -= 1
             stats.checkpoints_saved -= 1
 
         self._transfers.launch(copy, undo)
         return copy
 
+    @_exclusive
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
         """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block)
         ([R32]-[R34]).
@@ -645,11 +691,13 @@ class BlockTrie:
         self._transfers.launch(copy, undo)
         return copy
 
+    @_exclusive
     def poll(self) -> int:
         """Reap finished copies, oldest first, releasing their pins and references
         ([R35]). Returns how many were reaped."""
         return self._transfers.poll()
 
+    @_exclusive
     def pin(self, seq: Sequence) -> PinReceipt:
         """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin` ([R39]).
 
@@ -663,6 +711,7 @@ class BlockTrie:
         self._explicit[id(receipt)] = receipt
         return receipt
 
+    @_exclusive
     def unpin(self, receipt: PinReceipt) -> None:
         """Redeem a receipt from `pin` ([R40]); a second use raises `PinError`."""
         if not isinstance(receipt, PinReceipt):
@@ -676,6 +725,7 @@ class BlockTrie:
 
     # ---------------------------------------------------------------- events
 
+    @_exclusive
     def drain_events(self) -> list[Event]:
         """Return and forget the events emitted since the last drain (invariant 10)."""
         return self._events.drain()

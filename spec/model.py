@@ -252,7 +252,7 @@ def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ..
             raise InvalidArgument(f"{what}: token ids must be in [0, 2**64), got {t}")
     if nonempty and not tokens:
         raise InvalidArgument(f"{what}: tokens must be non-empty")
-    return tuple(tokens)
+    return tuple(operator.index(t) for t in tokens)  # [R5]: stored as plain ints
 
 
 def _check_namespace(namespace: object) -> str:
