@@ -24,6 +24,7 @@ from spec.lifecycle import (
 
 _PUBLISHED = CheckpointState.PUBLISHED.value
 _RESERVED = CheckpointState.RESERVED.value
+_WITHDRAWN = CheckpointState.WITHDRAWN.value
 
 
 def _no_settle(node: Node) -> None:
@@ -155,10 +156,23 @@ class CheckpointStore:
     def _settle(self, ck: Checkpoint) -> None:
         """Route `ck` to the state its pin count implies."""
         implied = implied_checkpoint_state(
-            present=True, published=ck.state != _RESERVED, pins=ck.pins
+            present=True,
+            published=ck.state != _RESERVED,
+            pins=ck.pins,
+            withdrawn=ck.state == _WITHDRAWN,
         )
         for trigger in CHECKPOINT.route(ck.state, implied, ck):
             self.move(ck, CheckpointTrigger(trigger))
+
+    def withdraw(self, ck: Checkpoint) -> None:
+        """Its save failed ([R46]): `ck` stops being matchable (and is announced
+        removed); it is released when its last pin goes."""
+        announced = CHECKPOINT.can(CheckpointTrigger.PIN, ck.state)
+        self.move(ck, CheckpointTrigger.WITHDRAW)
+        if announced:
+            self._events.checkpoint_dropped(ck)
+        if ck.pins == 0:
+            self.drop(ck, CheckpointTrigger.RELEASE)
 
     def pin(self, ck: Checkpoint) -> PinReceipt:
         """One more pin on a matchable checkpoint; returns its receipt ([R39])."""
@@ -180,7 +194,10 @@ class CheckpointStore:
         ck.pins -= 1
         self._stats.pins -= 1
         self._settle(ck)
-        self.on_pins_changed(ck.anchor)
+        anchor = ck.anchor
+        if ck.state == _WITHDRAWN and ck.pins == 0:
+            self.drop(ck, CheckpointTrigger.RELEASE)  # [R46]: its last pin went
+        self.on_pins_changed(anchor)
 
     def drop(self, ck: Checkpoint, trigger: CheckpointTrigger) -> int:
         """Release / evict / replace an unpinned checkpoint; returns KV blocks freed."""

@@ -17,12 +17,12 @@ blocks. The trie releases those only when the copy has finished and is reaped
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from spec.errors import CacheError, InvalidArgument, InvalidType
+from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
 from spec.lifecycle import COPY, CopyState, CopyTrigger
 
 _QUEUED = CopyState.QUEUED.value
@@ -47,7 +47,9 @@ class Copy:
     __slots__ = (
         "_engine",
         "_event",
+        "_on_fail",
         "blocks",
+        "failed",
         "kind",
         "moves",
         "receipts",
@@ -75,6 +77,9 @@ class Copy:
         self.receipts: list[PinReceipt] = []
         self.blocks: list[int] = []
         self.state: str = _QUEUED
+        self.failed = False
+        """Whether the copy failed (its data never arrived); stays True once reaped."""
+        self._on_fail: Callable[[Copy], None] | None = None
         self._event: torch.cuda.Event | None = None
         self._engine: CopyEngine | None = None
 
@@ -90,9 +95,25 @@ class Copy:
         self.state = COPY.step(trigger, self.state, self)
 
     def wait(self) -> None:
-        """Order the caller's later work after this copy (see class docstring)."""
-        if self._engine is not None:
+        """Order the caller's later work after this copy (see class docstring).
+
+        Raises `CopyFailed` when the copy failed: its data never arrived.
+        """
+        if not self.failed and self._engine is not None:
             self._engine.wait(self)
+        if self.failed:
+            raise CopyFailed(f"{self!r} failed: its data never arrived")
+
+    def _set_failed(self) -> None:
+        """Mark the copy failed (state `failed`) without telling the trie."""
+        self.fire(CopyTrigger.FAIL)
+        self.failed = True
+
+    def _fail(self) -> None:
+        """Mark the copy failed and let the trie withdraw what depended on it ([R46])."""
+        self._set_failed()
+        if self._on_fail is not None:
+            self._on_fail(self)
 
     def run(self) -> None:
         """Move the data now, on the current stream, outside autograd.
@@ -105,8 +126,7 @@ class Copy:
                 dst.copy_(src, non_blocking=True)
 
     def __repr__(self) -> str:
-        state = "done" if self.done else "pending"
-        return f"<Copy #{self.serial} {self.kind} step={self.step} {state}>"
+        return f"<Copy #{self.serial} {self.kind} step={self.step} {self.state}>"
 
 
 class CopyEngine:
@@ -153,6 +173,27 @@ class CopyEngine:
             (finished if copy.done else pending).append(copy)
         self._inflight = pending
         return finished
+
+    def fail(self, copy: Copy) -> None:
+        """Declare that a queued `copy` will never deliver its data ([R46]).
+
+        For an engine that sees a copy go wrong (a CUDA error, a cancelled
+        request) and for tests. The copy becomes `failed`; a failed save
+        withdraws its checkpoint (no longer matchable; released when its last
+        pin goes) and fails the queued restores that read it. Its pins and
+        references are released when `poll()` reaps it. Failing a failed copy
+        does nothing; raises `InvalidType` for a non-copy and `InvalidArgument`
+        for a copy of another engine or one that already finished.
+        """
+        if not isinstance(copy, Copy):
+            raise InvalidType(f"fail() takes a Copy, got {type(copy).__name__}")
+        if copy._engine is not self:
+            raise InvalidArgument(f"{copy!r} was not queued on this {type(self).__name__}")
+        if copy.failed:
+            return
+        if copy.state != _QUEUED:
+            raise InvalidArgument(f"fail(): {copy!r} already finished; its data arrived")
+        copy._fail()
 
     def forget(self, copy: Copy) -> None:
         """Stop tracking a copy the trie reaped itself (it finished when queued, or
@@ -222,26 +263,37 @@ class ManualCopies(CopyEngine):
         the trie's `poll()` reaps the copy.
 
         Raises `InvalidType` for a non-copy, `InvalidArgument` for a copy not
-        queued on this engine ([R3]).
+        queued on this engine ([R3]), `CopyFailed` for a copy that failed
+        (or fails now because a copy it reads failed, [R46]). A copy whose own
+        data movement raises is failed, and the error propagates.
         """
         if not isinstance(copy, Copy):
             raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:
             raise InvalidArgument(f"{copy!r} was not queued on this ManualCopies")
+        if copy.failed:
+            raise CopyFailed(f"complete(): {copy!r} failed; it can never complete")
         if copy.state != _QUEUED:
-            return
+            return  # finished (or reaped) already
         for earlier in self._inflight:
             if earlier is copy:
                 break
             if earlier.state == _QUEUED and earlier.resources & copy.resources:
                 self.complete(earlier)
-        copy.run()
+        if copy.failed:  # a copy it reads failed on the way
+            raise CopyFailed(f"complete(): {copy!r} failed; it can never complete")
+        try:
+            copy.run()
+        except BaseException:
+            copy._fail()  # its data is partial: it never delivers
+            raise
         copy.fire(CopyTrigger.FINISH)
 
     def complete_all(self) -> None:
-        """Complete every pending copy, oldest first."""
+        """Complete every pending copy, oldest first (skipping copies that fail on the way)."""
         for copy in self.pending():
-            self.complete(copy)
+            if copy.state == _QUEUED:
+                self.complete(copy)
 
     def wait(self, copy: Copy) -> None:
         """Complete `copy` now, with the earlier copies it depends on ([R36])."""

@@ -26,6 +26,7 @@ class CacheStats:
     checkpoints_deduplicated: int
     restores: int
     copies_reaped: int
+    copies_failed: int
     peak_pins: int
     pins: int
 

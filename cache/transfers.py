@@ -95,6 +95,7 @@ class Transfers:
                 moves.append((src_view, dst_view))
         self._serial += 1
         copy = Copy(kind, step, moves, resources, self._serial)
+        copy._on_fail = self._failed
         if frozen_block is not None:
             self._kv.incref(seq_block)
             copy.blocks.append(seq_block)
@@ -115,7 +116,7 @@ class Transfers:
             self.engine.forget(copy)
             del self.inflight[copy.serial]
             if copy.state == _QUEUED:
-                copy.fire(CopyTrigger.FAIL)
+                copy._set_failed()
             copy.fire(CopyTrigger.REAP)
             for block in copy.blocks:
                 self._kv.decref(block)
@@ -128,10 +129,27 @@ class Transfers:
             self.engine.forget(copy)
             self.reap(copy)
 
+    def _failed(self, copy: Copy) -> None:
+        """A queued copy failed ([R46]): a save's checkpoint will never hold its
+        data, so it is withdrawn, and the queued restores that read it fail too."""
+        if copy.kind != "save" or not copy.receipts:
+            return
+        ck = copy.receipts[0].checkpoint
+        self._checkpoints.withdraw(ck)
+        for other in list(self.inflight.values()):
+            if (
+                other.kind == "restore"
+                and other.state == _QUEUED
+                and any(r.checkpoint is ck for r in other.receipts)
+            ):
+                other._fail()
+
     def reap(self, copy: Copy) -> None:
-        """Release a finished copy's pins and block references ([R35])."""
+        """Release a finished or failed copy's pins and block references ([R35])."""
         del self.inflight[copy.serial]
         copy.fire(CopyTrigger.REAP)
+        if copy.failed:
+            self._stats.copies_failed += 1
         checkpoints = self._checkpoints
         for receipt in copy.receipts:
             checkpoints.unpin(receipt)

@@ -58,7 +58,7 @@ from spec.errors import (
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, CheckpointTrigger, NodeState
+from spec.lifecycle import CHECKPOINT, CheckpointState, CheckpointTrigger, NodeState
 from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
@@ -571,7 +571,8 @@ class BlockTrie:
         old = anchor.checkpoint if anchor is not None else None
         stats = self.stats
         if old is not None:
-            if old.step == step and old.tail == tail and old.tail_extra == tail_extra:
+            same = old.step == step and old.tail == tail and old.tail_extra == tail_extra
+            if same and CHECKPOINT.can(CheckpointTrigger.PIN, old.state):
                 stats.checkpoints_deduplicated += 1  # [R25]
                 return None
             if not CHECKPOINT.can(CheckpointTrigger.REPLACE, old.state):
@@ -654,8 +655,12 @@ class BlockTrie:
         receipt = seq.match_receipt
         if receipt is None:
             raise CheckpointError(f"restore: {seq!r} was already restored")
-        runtime = self._slots.check_runtime(runtime_state, written=True)
         ck = point.checkpoint
+        if ck.state == CheckpointState.WITHDRAWN:
+            raise CheckpointError(  # [R46]
+                f"restore: {ck!r} was withdrawn (its save copy failed); abort {seq!r}"
+            )
+        runtime = self._slots.check_runtime(runtime_state, written=True)
         depth = ck.step // self._block_size
         if ck.frozen_block is not None and len(seq.path) > depth:
             raise CheckpointError(  # [R32]

@@ -245,9 +245,15 @@ def explicit_state(snap: Snapshot) -> Problems:
         )
     published: list[tuple[int, int, int]] = []
     for cid, ck in checkpoints.items():
+        withdrawn = ck["state"] == CheckpointState.WITHDRAWN.value
         implied_ck = implied_checkpoint_state(
-            present=True, published=ck["state"] != CheckpointState.RESERVED.value, pins=ck["pins"]
+            present=True,
+            published=ck["state"] != CheckpointState.RESERVED.value,
+            pins=ck["pins"],
+            withdrawn=withdrawn,
         ).value
+        if withdrawn and ck["pins"] == 0:
+            problems.append(f"checkpoint {cid}: withdrawn with no pin left, yet not released")
         if ck["state"] != implied_ck:
             problems.append(f"checkpoint {cid}: stored state {ck['state']!r} != {implied_ck!r}")
         anchor = nodes.get(ck["anchor"])
@@ -307,10 +313,9 @@ def events(snap: Snapshot) -> Problems:
             )
     slots = snap.get("event_checkpoint_slots")
     if slots is not None:
+        unannounced = (CheckpointState.RESERVED.value, CheckpointState.WITHDRAWN.value)
         matchable = {
-            ck["slot"]
-            for ck in snap["checkpoints"].values()
-            if ck["state"] != CheckpointState.RESERVED.value
+            ck["slot"] for ck in snap["checkpoints"].values() if ck["state"] not in unannounced
         }
         if slots != matchable:
             problems.append(

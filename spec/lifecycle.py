@@ -55,6 +55,9 @@ class CheckpointState(str, Enum):
     """Matchable; no pins; may be released, replaced or evicted."""
     PINNED = "pinned"
     """Matchable; at least one pin (an in-flight copy or an explicit receipt)."""
+    WITHDRAWN = "withdrawn"
+    """Its data will never arrive (its save copy failed): not matchable, and
+    released when its last pin goes. Pinned ones stay until then."""
 
     def __hash__(self) -> int:
         return str.__hash__(self)
@@ -111,6 +114,7 @@ class CheckpointTrigger(str, Enum):
     RELEASE = "release"
     REPLACE = "replace"
     EVICT = "evict"
+    WITHDRAW = "withdraw"
 
     def __hash__(self) -> int:
         return str.__hash__(self)
@@ -164,17 +168,23 @@ CHECKPOINT_TRANSITIONS: tuple[
     (CheckpointTrigger.UNPIN, (CheckpointState.PINNED,), CheckpointState.PUBLISHED),
     (
         CheckpointTrigger.RELEASE,
-        (CheckpointState.RESERVED, CheckpointState.PUBLISHED),
+        (CheckpointState.RESERVED, CheckpointState.PUBLISHED, CheckpointState.WITHDRAWN),
         CheckpointState.ABSENT,
     ),
     (CheckpointTrigger.REPLACE, (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
     (CheckpointTrigger.EVICT, (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
+    (
+        CheckpointTrigger.WITHDRAW,
+        (CheckpointState.PUBLISHED, CheckpointState.PINNED),
+        CheckpointState.WITHDRAWN,
+    ),
 )
 """The whole checkpoint lifecycle as `(trigger, sources, destination)`.
 
-No transition leaves `pinned` except `pin` and `unpin` (the last pin going):
-releasing, replacing or evicting a pinned checkpoint is illegal (invariant 2,
-pin safety).
+No transition leaves `pinned` except `pin`, `unpin` (the last pin going) and
+`withdraw` (its save failed): releasing, replacing or evicting a pinned
+checkpoint is illegal (invariant 2, pin safety). A `withdrawn` checkpoint is
+only released, never pinned again.
 """
 
 # (trigger, sources, destination) -- a pin receipt is redeemed exactly once.
@@ -341,10 +351,14 @@ def implied_node_state(
     return NodeState.CACHED
 
 
-def implied_checkpoint_state(*, present: bool, published: bool, pins: int) -> CheckpointState:
-    """The checkpoint state that the facts imply."""
+def implied_checkpoint_state(
+    *, present: bool, published: bool, pins: int, withdrawn: bool = False
+) -> CheckpointState:
+    """The checkpoint state that the facts imply (a withdrawn one whatever its pins)."""
     if not present:
         return CheckpointState.ABSENT
+    if withdrawn:
+        return CheckpointState.WITHDRAWN
     if pins > 0:
         return CheckpointState.PINNED
     return CheckpointState.PUBLISHED if published else CheckpointState.RESERVED

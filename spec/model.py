@@ -41,6 +41,7 @@ from typing import Any
 from spec.errors import (
     CheckpointError,
     ConfigError,
+    CopyFailed,
     InvalidArgument,
     InvalidType,
     OutOfBlocks,
@@ -125,6 +126,7 @@ class _Checkpoint:
         self.tick = tick
         self.present = True
         self.published = False
+        self.withdrawn = False  # [R46]: its save copy failed
 
 
 class ModelRestore:
@@ -191,7 +193,8 @@ class ModelCopy:
     ) -> None:
         self.kind = kind
         self.step = step
-        self.done = False
+        self.done = False  # its data moved
+        self.failed = False  # [R46]: it never delivers
         self.reaped = False
         self._owner = owner
         self._id = ident
@@ -205,7 +208,7 @@ class ModelCopy:
     @property
     def state(self) -> str:
         """The copy lifecycle state its facts imply (`spec.lifecycle.COPY`)."""
-        return implied_copy_state(reaped=self.reaped, failed=False, moved=self.done).value
+        return implied_copy_state(reaped=self.reaped, failed=self.failed, moved=self.done).value
 
 
 class ModelReceipt:
@@ -392,8 +395,14 @@ class ReferenceCache:
 
     def _checkpoint_state(self, c: _Checkpoint) -> CheckpointState:
         return implied_checkpoint_state(
-            present=c.present, published=c.published, pins=self._pin_count(c)
+            present=c.present, published=c.published, pins=self._pin_count(c), withdrawn=c.withdrawn
         )
+
+    def _release_withdrawn(self) -> None:
+        """[R46]: a withdrawn checkpoint goes when its last pin goes."""
+        for c in self._live_checkpoints():
+            if c.withdrawn and self._pin_count(c) == 0:
+                self._drop_checkpoint(c, CheckpointTrigger.RELEASE)
 
     def _evictable_index(self) -> list[_Node]:
         # [R10]: smallest (tick, serial) first.
@@ -532,6 +541,8 @@ class ReferenceCache:
         self._copies.remove(cp)
         cp.reaped = True
         self._stats["copies_reaped"] += 1
+        if cp.failed:
+            self._stats["copies_failed"] += 1
 
     # ------------------------------------------------------------------ argument checks
 
@@ -682,6 +693,7 @@ class ReferenceCache:
         s._holds_match_pin = False
         s._live = False
         self._sequences.remove(s)  # drops its references and its match pin
+        self._release_withdrawn()
 
     def save(self, seq: ModelSequence, step: int) -> ModelCopy | None:
         s = self._check_seq(seq, "save")
@@ -708,8 +720,9 @@ class ReferenceCache:
         tail = s.tokens[d * B : st]
         tail_extra = _identity(s.extra, d) if partial else None
         old = anchor.checkpoint
-        # [R25] the same checkpoint exists
-        if old is not None and (old.step, old.tail, old.tail_extra) == (st, tail, tail_extra):
+        # [R25] the same checkpoint exists (a withdrawn one does not count: [R46])
+        same = old is not None and (old.step, old.tail, old.tail_extra) == (st, tail, tail_extra)
+        if same and old is not None and not old.withdrawn:
             self._stats["checkpoints_deduplicated"] += 1
             return None
         # [R26] a pinned checkpoint is never replaced
@@ -760,6 +773,8 @@ class ReferenceCache:
         if s._restored:
             raise CheckpointError(f"restore: sequence #{s._id} was already restored")
         c = s.restore._checkpoint
+        if c.withdrawn:  # [R46]
+            raise CheckpointError(f"restore: checkpoint #{c.serial} was withdrawn")
         if not c.present:  # unreachable: the match pin keeps it
             CHECKPOINT.step(
                 CheckpointTrigger.PIN, CheckpointState.ABSENT.value, f"checkpoint #{c.serial}"
@@ -795,9 +810,10 @@ class ReferenceCache:
 
     def poll(self) -> int:
         # [R35]: reaping releases the copy's pins and references.
-        finished = [cp for cp in self._copies if cp.done]
+        finished = [cp for cp in self._copies if cp.done or cp.failed]
         for cp in finished:
             self._reap(cp)
+        self._release_withdrawn()
         return len(finished)
 
     def pin(self, seq: ModelSequence) -> ModelReceipt:
@@ -824,18 +840,45 @@ class ReferenceCache:
         RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, "pin receipt")  # [R40]
         receipt._used = True
         self._receipts.remove(receipt)
+        self._release_withdrawn()
 
     def pending(self) -> list[ModelCopy]:
-        return [cp for cp in self._copies if not cp.done]
+        return [cp for cp in self._copies if not cp.done and not cp.failed]
 
     def complete(self, copy: ModelCopy) -> None:
         if not isinstance(copy, ModelCopy):
             raise InvalidType(f"complete: expected a copy, got {type(copy).__name__}")
         if copy._owner is not self:
             raise InvalidArgument("complete: the copy belongs to another cache")
+        if copy.failed:
+            raise CopyFailed(f"complete: copy #{copy._id} failed")
         if copy.done:
             return
         self._complete(copy)
+
+    def fail(self, copy: ModelCopy) -> None:
+        """[R46]: the copy never delivers; a save's checkpoint is withdrawn and the
+        pending restores that read it fail too."""
+        if not isinstance(copy, ModelCopy):
+            raise InvalidType(f"fail: expected a copy, got {type(copy).__name__}")
+        if copy._owner is not self:
+            raise InvalidArgument("fail: the copy belongs to another cache")
+        if copy.failed:
+            return
+        if copy.done:
+            raise InvalidArgument(f"fail: copy #{copy._id} already finished")
+        copy.failed = True
+        if copy.kind == "save":
+            (c,) = copy._pins
+            CHECKPOINT.step(
+                CheckpointTrigger.WITHDRAW,
+                self._checkpoint_state(c).value,
+                f"checkpoint #{c.serial}",
+            )
+            c.withdrawn = True
+            for other in self.pending():
+                if other.kind == "restore" and c in other._pins:
+                    other.failed = True
 
     def _complete(self, copy: ModelCopy) -> None:
         # [R36]: earlier pending copies sharing a resource complete first.
@@ -918,7 +961,7 @@ class ReferenceCache:
                 kind=cp.kind,
                 blocks=list(cp._blocks),
                 pins=[c.serial for c in cp._pins],
-                done=cp.done,
+                done=cp.done or cp.failed,
                 state=cp.state,
             )
             for cp in self._copies

@@ -155,5 +155,6 @@ STAT_COUNTERS: tuple[str, ...] = (
     "checkpoints_deduplicated",  # saves skipped: the same checkpoint already exists
     "restores",  # restore copies queued
     "copies_reaped",  # copies whose pins and references were released
+    "copies_failed",  # reaped copies that failed (their data never arrived)
 )
 """The counters every implementation keeps, under these names, in `stats`."""

@@ -347,9 +347,16 @@ class CacheVersusModel(RuleBasedStateMachine):
     @rule(copy=consumes(copies))
     def complete_one_copy(self, copy: Pair) -> None:
         self.both(lambda: self.manual.complete(copy.real), lambda: self.model.complete(copy.model))
-        # The copy lifecycle: finished (or already reaped), the same in both.
+        # The copy lifecycle: finished (or failed earlier, or reaped), the same in both.
         assert copy.real.state == copy.model.state
-        assert copy.real.state in (CopyState.FINISHED, CopyState.REAPED)
+        assert copy.real.state in (CopyState.FINISHED, CopyState.FAILED, CopyState.REAPED)
+        self._check_restored_data()
+
+    @rule(copy=consumes(copies))
+    def fail_one_copy(self, copy: Pair) -> None:
+        """A copy that never delivers ([R46]): a CUDA error, a cancelled request."""
+        self.both(lambda: self.manual.fail(copy.real), lambda: self.model.fail(copy.model))
+        assert copy.real.state == copy.model.state
         self._check_restored_data()
 
     @rule()
@@ -366,6 +373,8 @@ class CacheVersusModel(RuleBasedStateMachine):
         kv = self.cache.kv_cache
         still: list[PendingRestore] = []
         for pending in self.pending_restores:
+            if pending.copy.failed:
+                continue  # its data never arrived: the engine aborts that request
             if not pending.copy.done:
                 still.append(pending)
                 continue
