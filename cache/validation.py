@@ -14,6 +14,9 @@ TokenIds: TypeAlias = collections.abc.Sequence[int]
 """Token ids as the API takes them: a list or tuple of integers."""
 
 
+_PLAIN_INT = frozenset({int})
+
+
 def int_arg(name: str, value: object) -> int:
     """`value` if it is an int (bool is not); else `InvalidType` naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -35,9 +38,12 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
     if not isinstance(tokens, (list, tuple)):
         raise InvalidType(f"{what} must be a list or tuple of ints, got {type(tokens).__name__}")
     try:
-        return array("Q", tokens).tolist()
+        converted = array("Q", tokens)
     except (TypeError, OverflowError, ValueError, RuntimeError):
         _explain_bad_tokens(tokens, what)
+    if set(map(type, tokens)) <= _PLAIN_INT:
+        return list(tokens)  # reuse the caller's int objects: no new int per token
+    return converted.tolist()
 
 
 def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoReturn:
