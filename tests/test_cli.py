@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from cache.cli import main
-from cache.workload import SyntheticParams, count_prefix_hits, load_mooncake, synthetic_workload
+from cache.planner.cli import main
+from cache.planner.traces import load_mooncake
+from cache.planner.workload import SyntheticParams, count_prefix_hits, synthetic_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_small.jsonl"
@@ -212,7 +213,7 @@ def test_missing_trace_and_bad_flags(capsys: pytest.CaptureFixture[str], tmp_pat
 
 def test_console_script_module(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cache.cli", "replay", *SMALL, "--json", "--progress"],
+        [sys.executable, "-m", "cache.planner.cli", "replay", *SMALL, "--json", "--progress"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -231,7 +232,7 @@ def test_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("cache.demo")
+    pytest.importorskip("cache.planner.demo")
     code, out, _err = run(capsys, "demo")
     assert code == 0 and out.strip()
     assert "outputs identical to cold runs: yes" in out
@@ -242,13 +243,13 @@ def test_demo_fails_when_outputs_differ(
 ) -> None:
     import dataclasses
 
-    import cache.demo
+    import cache.planner.demo
 
-    real = cache.demo.run_demo
+    real = cache.planner.demo.run_demo
 
-    def differing(seed: int = 0) -> cache.demo.DemoResult:
+    def differing(seed: int = 0) -> cache.planner.demo.DemoResult:
         return dataclasses.replace(real(seed), identical=False)
 
-    monkeypatch.setattr(cache.demo, "run_demo", differing)
+    monkeypatch.setattr(cache.planner.demo, "run_demo", differing)
     code, out, _err = run(capsys, "demo")
     assert code == 1 and "outputs identical to cold runs: no" in out

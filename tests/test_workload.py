@@ -8,18 +8,21 @@ from typing import Any
 
 import pytest
 
-from cache.replay import CheckpointPolicy, run_replay
-from cache.workload import (
-    PrefixCount,
-    Request,
-    SyntheticParams,
+from cache.planner.policy import CheckpointPolicy
+from cache.planner.replay import run_replay
+from cache.planner.traces import (
     TraceError,
-    Workload,
-    count_prefix_hits,
     detect_trace_format,
     load_mooncake,
     load_token_jsonl,
     load_trace,
+)
+from cache.planner.workload import (
+    PrefixCount,
+    Request,
+    SyntheticParams,
+    Workload,
+    count_prefix_hits,
     synthetic_workload,
 )
 

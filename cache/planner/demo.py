@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from cache.config import CacheConfig
+from cache import BlockTrie, CacheConfig
 from cache.testing import (
     Engine,
     TinyHybridConfig,
@@ -22,7 +22,6 @@ from cache.testing import (
     compare_with_cold,
     run_chat,
 )
-from cache.trie import BlockTrie
 
 __all__ = ["DemoResult", "format_demo", "run_demo"]
 

@@ -13,29 +13,17 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-from cache.replay import (
-    DEFAULT_POLICY,
-    POLICY_NAMES,
-    CheckpointPolicy,
-    ReplayResult,
-    run_replay,
-)
-from cache.workload import (
-    TRACE_BLOCK_TOKENS,
-    PrefixCount,
-    SyntheticParams,
-    TraceError,
-    Workload,
-    count_prefix_hits,
-    load_trace,
-    synthetic_workload,
-)
+from cache.planner.plan import Run, never_evict_capacity, plan_runs, recommend
+from cache.planner.plot import write_plot
+from cache.planner.policy import DEFAULT_POLICY, KV, POLICY_NAMES, CheckpointPolicy
+from cache.planner.replay import ReplayResult, run_replay
+from cache.planner.report import fmt_count, print_report, result_dict
+from cache.planner.traces import TRACE_BLOCK_TOKENS, TraceError, load_trace
+from cache.planner.workload import SyntheticParams, Workload, count_prefix_hits, synthetic_workload
 
 __all__ = ["build_parser", "main"]
 
@@ -341,14 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
 # replay
 
 
-@dataclass(frozen=True)
-class _Run:
-    capacity: int
-    policy: str  # "kv" or a policy name
-    blocks_per_slot: int | None
-    slots: int
-
-
 def _load_workload(args: argparse.Namespace) -> Workload[Any]:
     if args.trace is not None:
         workload = load_trace(args.trace, args.trace_format, args.trace_block_tokens)
@@ -370,269 +350,6 @@ def _load_workload(args: argparse.Namespace) -> Workload[Any]:
     if args.limit is not None:
         workload = workload.head(args.limit)
     return workload
-
-
-def _plan_runs(args: argparse.Namespace, infinite: int) -> list[_Run]:
-    capacities = args.sweep if args.sweep else [args.capacity or infinite]
-    if args.capacity and args.sweep and args.capacity not in capacities:
-        capacities = sorted({*capacities, args.capacity})
-    runs: list[_Run] = []
-    for cap in capacities:
-        runs.append(_Run(cap, "kv", None, 0))
-        if not args.ssm:
-            continue
-        if args.state_slots is not None:
-            budgets: list[int | None] = [None]
-        else:
-            budgets = list(args.sweep_blocks_per_slot or [args.blocks_per_slot])
-        for policy in args.ckpt_policy:
-            for r in budgets:
-                slots = args.state_slots if r is None else max(1, cap // r)
-                runs.append(_Run(cap, policy, r, slots))
-    return runs
-
-
-def _gib(blocks: int, block_size: int, per_token: int | None) -> float | None:
-    return None if per_token is None else blocks * block_size * per_token / 2**30
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_count(n: float) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.2f}G"
-    if n >= 1e6:
-        return f"{n / 1e6:.2f}M"
-    if n >= 1e4:
-        return f"{n / 1e3:.1f}k"
-    return f"{n:,.0f}"
-
-
-def _run_label(run: _Run) -> str:
-    return run.policy if run.policy == "kv" else f"{run.policy} @ {run.slots} slots"
-
-
-def _result_dict(
-    result: ReplayResult, args: argparse.Namespace, run: _Run, kv: ReplayResult | None
-) -> dict[str, Any]:
-    out = result.to_dict()
-    out["blocks_per_slot"] = run.blocks_per_slot
-    if args.kv_bytes_per_token:
-        out["kv_bytes"] = result.capacity * result.block_size * args.kv_bytes_per_token
-    if args.state_bytes_per_slot and result.state_slots:
-        out["state_bytes"] = result.state_slots * args.state_bytes_per_slot
-    if kv is not None and run.policy != "kv":
-        out["kv_hit_rate"] = kv.hit_rate
-        out["hit_rate_vs_kv"] = result.hit_rate - kv.hit_rate
-    return out
-
-
-def _recommend(results: list[tuple[_Run, ReplayResult]], ceiling: float) -> int | None:
-    """Smallest swept capacity whose attention-only hit rate is within 1 point of the ceiling."""
-    caps = sorted(
-        r.capacity for run, r in results if run.policy == "kv" and r.hit_rate >= ceiling - 0.01
-    )
-    return caps[0] if caps else None
-
-
-def _print_report(
-    stream: TextIO,
-    workload: Workload[Any],
-    args: argparse.Namespace,
-    count: PrefixCount,
-    results: list[tuple[_Run, ReplayResult]],
-    kv_by_cap: dict[int, ReplayResult],
-    infinite: int,
-) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    probe = Console(file=stream)
-    console = Console(file=stream, width=probe.width if probe.is_terminal else 200, highlight=False)
-    per_token = args.kv_bytes_per_token
-    bs = args.block_size
-    console.print(f"[bold]workload[/bold]: {workload.description}")
-    console.print(
-        f"{count.requests:,} requests, {count.prompt_tokens:,} prompt tokens; "
-        f"an unbounded cache would hold {count.unique_blocks:,} blocks of {bs} tokens"
-        + (f" ({_fmt_bytes(count.unique_blocks * bs * per_token)})" if per_token else "")
-        + f" and hit {count.hit_rate:.2%} of prompt tokens."
-    )
-    if len(results) == 1:
-        run, r = results[0]
-        table = Table(box=box.SIMPLE_HEAVY, show_header=False, title="replay summary")
-        table.add_column("metric", style="bold")
-        table.add_column("value", justify="right")
-        cap = f"{r.capacity:,} blocks" + (
-            f" ({_fmt_bytes(r.capacity * bs * per_token)})" if per_token else ""
-        )
-        if args.capacity is None:
-            cap += " (never evicts)"
-        rows: list[tuple[str, str]] = [
-            ("capacity", cap),
-            (
-                "requests",
-                f"{r.requests:,}" + (f" ({r.rejected:,} rejected: too big)" if r.rejected else ""),
-            ),
-            ("prompt tokens", f"{r.prompt_tokens:,}"),
-            ("hit rate", f"{r.hit_rate:.2%}"),
-            ("tokens saved", f"{r.tokens_saved:,}"),
-            ("evictions", f"{r.evicted_blocks:,} blocks"),
-            ("peak pins", f"{r.peak_pinned_blocks:,} blocks held by live requests"),
-            *(
-                [
-                    ("checkpoint policy", f"{r.policy} ({r.state_slots:,} slots)"),
-                    ("checkpoint hits", f"{r.checkpoint_hits:,}"),
-                    (
-                        "checkpoints saved",
-                        f"{r.checkpoints_saved:,} ({r.checkpoints_skipped:,} skipped, "
-                        f"{r.evicted_checkpoints:,} evicted)",
-                    ),
-                    ("peak pins", f"{r.peak_pins:,} checkpoint pins"),
-                ]
-                if r.state_slots
-                else []
-            ),
-            ("peak cached blocks", f"{r.peak_cached_blocks:,}"),
-            (
-                "throughput",
-                f"{r.requests_per_s:,.0f} req/s, {_fmt_count(r.tokens_per_s)} tok/s, "
-                f"{r.us_per_block:.2f} us/block",
-            ),
-        ]
-        for name, value in rows:
-            table.add_row(name, value)
-        console.print(table)
-    else:
-        ssm = any(run.policy != "kv" for run, _ in results)
-        table = Table(box=box.SIMPLE_HEAVY, title="replay summary")
-        table.add_column("capacity", justify="right")
-        if per_token:
-            table.add_column("KV mem", justify="right")
-        if ssm:
-            table.add_column("policy")
-            table.add_column("slots", justify="right")
-            if args.state_bytes_per_slot:
-                table.add_column("state mem", justify="right")
-        table.add_column("requests", justify="right")
-        table.add_column("prompt tok", justify="right")
-        table.add_column("hit rate", justify="right")
-        if ssm:
-            table.add_column("vs KV", justify="right")
-        table.add_column("tok saved", justify="right")
-        table.add_column("evicted", justify="right")
-        if ssm:
-            table.add_column("ckpt hits", justify="right")
-        table.add_column("peak pins", justify="right")
-        table.add_column("rejected", justify="right")
-        table.add_column("req/s", justify="right")
-        for run, r in results:
-            cells = [f"{r.capacity:,}"]
-            if per_token:
-                cells.append(_fmt_bytes(r.capacity * bs * per_token))
-            if ssm:
-                cells.append(run.policy)
-                cells.append(f"{r.state_slots:,}" if r.state_slots else "-")
-                if args.state_bytes_per_slot:
-                    cells.append(
-                        _fmt_bytes(r.state_slots * args.state_bytes_per_slot)
-                        if r.state_slots
-                        else "-"
-                    )
-            cells += [f"{r.requests:,}", _fmt_count(r.prompt_tokens), f"{r.hit_rate:.2%}"]
-            if ssm:
-                kv = kv_by_cap.get(r.capacity)
-                cells.append(
-                    ""
-                    if run.policy == "kv" or kv is None
-                    else f"{(r.hit_rate - kv.hit_rate) * 100:+.2f} pt"
-                )
-            cells += [_fmt_count(r.tokens_saved), _fmt_count(r.evicted_blocks)]
-            if ssm:
-                cells.append(f"{r.checkpoint_hits:,}" if run.policy != "kv" else "-")
-            cells += [f"{r.peak_pinned_blocks:,}", f"{r.rejected:,}", f"{r.requests_per_s:,.0f}"]
-            table.add_row(*cells)
-        console.print(table)
-    if len({run.capacity for run, _ in results}) > 1:
-        best = _recommend(results, count.hit_rate)
-        if best is not None:
-            mem = f" ({_fmt_bytes(best * bs * per_token)})" if per_token else ""
-            console.print(
-                "Smallest swept capacity within 1 point of the unbounded hit rate: "
-                f"{best:,} blocks{mem}."
-            )
-        else:
-            console.print(
-                f"No swept capacity reaches within 1 point of the unbounded hit rate "
-                f"({count.hit_rate:.2%}); {infinite:,} blocks never evict."
-            )
-    console.print(
-        "[dim]hit rate = prompt tokens served from cache / all prompt tokens; "
-        "'peak pins' = most KV blocks live requests held at once (a capacity below it "
-        "rejects requests).[/dim]"
-    )
-
-
-def _write_plot(
-    path: str,
-    args: argparse.Namespace,
-    workload: Workload[Any],
-    count: PrefixCount,
-    results: list[tuple[_Run, ReplayResult]],
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    for run, r in results:
-        label = "attention-only (KV)" if run.policy == "kv" else run.policy
-        if run.policy != "kv" and (args.sweep_blocks_per_slot or args.state_slots):
-            label += (
-                f", {r.state_slots} slots"
-                if args.state_slots
-                else f", 1 slot/{run.blocks_per_slot} blocks"
-            )
-        series.setdefault(label, []).append((r.capacity, r.hit_rate * 100))
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for label, points in series.items():
-        points.sort()
-        xs = [p[0] for p in points]
-        ys = [p[1] for p in points]
-        style = "-o" if label.startswith("attention") else "--."
-        ax.plot(xs, ys, style, label=label, linewidth=2 if label.startswith("attention") else 1.2)
-    ax.axhline(count.hit_rate * 100, color="grey", linestyle=":", label="unbounded cache")
-    caps = sorted({run.capacity for run, _ in results})
-    if len(caps) > 1 and caps[-1] / caps[0] >= 20:
-        ax.set_xscale("log")
-    xlabel = f"KV capacity (blocks of {args.block_size} tokens)"
-    if args.kv_bytes_per_token:
-        gib = args.block_size * args.kv_bytes_per_token / 2**30
-        xlabel += f"; 1k blocks = {gib * 1000:.2f} GiB"
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("prompt-token hit rate (%)")
-    ax.set_title(f"blocktrie replay: {workload.name}, {count.requests:,} requests", fontsize=11)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".blocktrie-plot-", suffix=".png", dir=target.parent or ".")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        plt.close(fig)
 
 
 def _progress_bar(
@@ -673,30 +390,41 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     workload = _load_workload(args)
     bs = args.block_size
     count = count_prefix_hits(workload, bs, args.max_decode_tokens)
-    # Never evicts: every distinct block, plus what the live window holds privately.
-    infinite = count.unique_blocks + (args.concurrency + 1) * (count.max_request_blocks + 1)
-    if args.ssm:
-        r_min = min(args.sweep_blocks_per_slot or [args.blocks_per_slot])
-        infinite += args.state_slots or infinite // r_min  # frozen tails of partial checkpoints
-    runs = _plan_runs(args, infinite)
+    infinite = never_evict_capacity(
+        count,
+        args.concurrency,
+        ssm=args.ssm,
+        state_slots=args.state_slots,
+        min_blocks_per_slot=min(args.sweep_blocks_per_slot or [args.blocks_per_slot]),
+    )
+    capacities = args.sweep if args.sweep else [args.capacity or infinite]
+    if args.capacity and args.sweep and args.capacity not in capacities:
+        capacities = sorted({*capacities, args.capacity})
+    runs = plan_runs(
+        capacities,
+        ssm=args.ssm,
+        policies=args.ckpt_policy,
+        blocks_per_slot=args.sweep_blocks_per_slot or [args.blocks_per_slot],
+        state_slots=args.state_slots,
+    )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.json:
         show = False
     # Automatic bars appear only on runs long enough to need one (after 1 s).
     delay = 0.0 if args.progress else 1.0
     make_progress, close = _progress_bar(show, len(workload) * len(runs), delay)
-    results: list[tuple[_Run, ReplayResult]] = []
+    results: list[tuple[Run, ReplayResult]] = []
     kv_by_cap: dict[int, ReplayResult] = {}
     try:
         for run in runs:
             policy = None
-            if run.policy != "kv":
+            if run.policy != KV:
                 # Periodic checkpoints take at most half the budget: one per 2R blocks.
                 ratio = run.blocks_per_slot or args.blocks_per_slot
                 interval = args.ckpt_interval or 2 * ratio * bs
                 policy = CheckpointPolicy.parse(run.policy, interval, args.chunk_size)
             progress = (
-                make_progress(f"{_fmt_count(run.capacity)} blocks {run.policy}")
+                make_progress(f"{fmt_count(run.capacity)} blocks {run.policy}")
                 if make_progress
                 else None
             )
@@ -712,20 +440,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 check=args.check,
             )
             results.append((run, result))
-            if run.policy == "kv":
+            if run.policy == KV:
                 kv_by_cap[run.capacity] = result
     finally:
         close()
 
     if args.plot is not None:
-        _write_plot(args.plot, args, workload, count, results)
+        write_plot(args.plot, args, workload, count, results)
     if args.json:
-        dicts = [_result_dict(r, args, run, kv_by_cap.get(run.capacity)) for run, r in results]
+        dicts = [result_dict(r, args, run, kv_by_cap.get(run.capacity)) for run, r in results]
         primary_index = max(
             range(len(results)),
             key=lambda i: (
                 results[i][0].capacity,
-                results[i][0].policy != "kv" if args.ssm else 0,
+                results[i][0].policy != KV if args.ssm else 0,
                 -i,
             ),
         )
@@ -735,12 +463,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         doc["unbounded_blocks"] = count.unique_blocks
         if len(dicts) > 1:
             doc["runs"] = dicts
-            best = _recommend(results, count.hit_rate)
+            best = recommend(results, count.hit_rate)
             doc["recommended_capacity"] = best
         json.dump(doc, sys.stdout, indent=None if len(dicts) == 1 else 1)
         sys.stdout.write("\n")
     else:
-        _print_report(sys.stdout, workload, args, count, results, kv_by_cap, infinite)
+        print_report(sys.stdout, workload, args, count, results, kv_by_cap, infinite)
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0
@@ -753,7 +481,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import importlib
 
-    demo = importlib.import_module("cache.demo")  # lazily: only this subcommand needs it
+    demo = importlib.import_module("cache.planner.demo")  # lazily: only this subcommand needs it
     result = demo.run_demo(seed=args.seed)
     print(demo.format_demo(result))
     return 0 if result.identical else 1
