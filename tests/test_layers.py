@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_ONLY = ("rich", "tqdm", "matplotlib")
@@ -64,5 +67,26 @@ def test_core_source_names_no_cli_dependency() -> None:
 
 def test_core_does_not_import_the_planner() -> None:
     for path in (ROOT / "cache").glob("*.py"):
-        text = path.read_text()
-        assert "cache.planner" not in text and "cache.testing" not in text, path.name
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if words[:1] in (["import"], ["from"]) and len(words) > 1:
+                top = ".".join(words[1].split(".")[:2])
+                assert top not in ("cache.planner", "cache.testing"), f"{path.name}: {line}"
+
+
+def test_public_names_resolve_lazily() -> None:
+    """`cache` loads its public names on first use; each one is where `_HOME` says."""
+    import cache
+
+    assert set(cache._HOME) == set(cache.__all__)
+    for name in cache.__all__:
+        value = getattr(cache, name)
+        assert value is getattr(importlib.import_module(cache._HOME[name]), name)
+    with pytest.raises(AttributeError):
+        cache.NoSuchName  # noqa: B018
+
+
+def test_cli_module_imports_without_torch() -> None:
+    """`blocktrie --help` and usage errors never load torch (it takes seconds)."""
+    loaded = _loaded_after(["cache.planner.cli"], ("torch",))
+    assert "cache" in loaded and "torch" not in loaded

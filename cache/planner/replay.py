@@ -25,13 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cache.planner.policy import KV, CheckpointPolicy
 from cache.planner.workload import Request, Workload
 from spec.errors import OutOfBlocks
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "STATE_SHAPES",
@@ -159,10 +160,13 @@ def make_cache(block_size: int, capacity: int, state_slots: int = 0) -> Any:
 
 def make_state(
     state_shapes: Mapping[str, tuple[int, ...]],
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """A runtime state for one sequence: zeros of each named shape."""
+    """A runtime state for one sequence: zeros of each named shape (float32 by default)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     return {
         name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in state_shapes.items()
     }
