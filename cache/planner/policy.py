@@ -65,8 +65,10 @@ class CheckpointPolicy:
     @classmethod
     def parse(cls, spec: str, interval: int = 128, chunk: int = 2048) -> CheckpointPolicy:
         """A policy from ``part[+part...]``, e.g. ``branch-points+prompt-end``."""
-        parts = tuple(dict.fromkeys(p.strip() for p in spec.split("+") if p.strip()))
-        return cls(parts, interval, chunk)
+        pieces = [p.strip() for p in spec.split("+")]
+        if any(not p for p in pieces):
+            raise ValueError(f"empty placement in checkpoint policy {spec!r}")
+        return cls(tuple(dict.fromkeys(pieces)), interval, chunk)
 
     @property
     def name(self) -> str:
@@ -86,8 +88,19 @@ class CheckpointPolicy:
         """Sorted steps in ``(hit, prompt_len]`` to checkpoint during prefill."""
         return sorted(self.plan(prompt_len, hit, branch_step, block_size))
 
-    def plan(self, prompt_len: int, hit: int, branch_step: int, block_size: int) -> dict[int, bool]:
+    def plan(
+        self,
+        prompt_len: int,
+        hit: int,
+        branch_step: int,
+        block_size: int,
+        known_branches: tuple[int, ...] = (),
+    ) -> dict[int, bool]:
         """Steps in ``(hit, prompt_len]`` -> whether the step is essential.
+
+        ``branch-points`` saves at `branch_step` (where the request left the cached
+        path) and at each of `known_branches` (forks the workload knows of, e.g. a
+        conversation tree's; `Request.branch_steps`).
 
         A step is essential unless only a periodic placement chose it and the
         policy has ``spare-slots`` (then it is saved only into a free slot).
@@ -108,6 +121,7 @@ class CheckpointPolicy:
                 essential.add(prompt_len // b * b)
             elif part == "branch-points":
                 essential.add(branch_step)
+                essential.update(known_branches)
         if not self.spare_slots:
             essential |= periodic
         return {s: s in essential for s in essential | periodic if hit < s <= prompt_len}

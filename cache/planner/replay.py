@@ -266,7 +266,7 @@ def replay(
             if seq.restore is not None:
                 ckpt_hits += 1
                 restore(seq, runtime)
-            plan = policy.plan(plen, hit, seq.branch_step, b)
+            plan = policy.plan(plen, hit, seq.branch_step, b, req.branch_steps)
             for step in sorted(plan):
                 if not plan[step] and cache.num_free_checkpoint_slots == 0:
                     continue
@@ -274,7 +274,7 @@ def replay(
                 save(seq, step, runtime)
         cache.commit(seq, plen)
         total = plen
-        output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
+        output = list(req.output if max_decode_tokens is None else req.output[:max_decode_tokens])
         if output:
             cache.append(seq, output)
             want = plen + len(output)

@@ -14,12 +14,14 @@ request's prompt contains.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 __all__ = [
+    "Filler",
     "PrefixCount",
     "Request",
     "SyntheticParams",
@@ -29,14 +31,61 @@ __all__ = [
 ]
 
 
+class Filler(Sequence[int]):
+    """`n` copies of one token, without storing them (trace outputs are unknown and may be
+    long: ``Filler(t, 10**11)[:10]`` costs ten tokens). Slices are lists."""
+
+    __slots__ = ("n", "token")
+
+    def __init__(self, token: int, n: int) -> None:
+        self.token = token
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [self.token] * len(range(self.n)[index])
+        range(self.n)[index]  # IndexError when out of range
+        return self.token
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.repeat(self.token, self.n)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Filler):
+            return self.n == other.n and (self.n == 0 or self.token == other.token)
+        if isinstance(other, (list, tuple)):
+            return len(other) == self.n and all(t == self.token for t in other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.token, self.n))
+
+    def __repr__(self) -> str:
+        return f"Filler({self.token}, {self.n})"
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request: prompt tokens, the output tokens decode appends, its namespace."""
+    """One request: prompt tokens, the output tokens decode appends, its namespace.
+
+    `output` is a list, or a `Filler` for the unknown outputs of a trace (slice it
+    before making it a list). `arrival_ms` is informational.
+    """
 
     prompt: list[int]
-    output: list[int]
+    output: Sequence[int]
     namespace: str = ""
     arrival_ms: float = 0.0
+    branch_steps: tuple[int, ...] = ()
+    """Prompt steps the workload knows are branch points (a conversation tree's fork),
+    besides the one the cache finds (``seq.branch_step``)."""
 
 
 R = TypeVar("R")
@@ -278,7 +327,7 @@ def count_prefix_hits(
             hit += 1
         hit_tokens += hit * b
         output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
-        full = list(prompt) + list(output)
+        full = [*prompt, *output]
         nblocks = len(full) // b
         max_blocks = max(max_blocks, -(-len(full) // b))
         prefix = -1
