@@ -79,7 +79,7 @@ def test_synthetic_is_seeded_and_shaped() -> None:
     extends = 0
     for i, (p, _o) in enumerate(a):
         for q, o2 in a[:i]:
-            if p[: len(q) + len(o2)] == q + o2 and len(p) > len(q) + len(o2):
+            if p[: len(q) + len(o2)] == [*q, *o2] and len(p) > len(q) + len(o2):
                 extends += 1
                 break
     assert extends >= len(a) - SMALL.users
