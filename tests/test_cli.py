@@ -49,7 +49,9 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 
 def test_builtin_workload_json(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = run_json(capsys, "replay", *SMALL)
+    top = run_json(capsys, "replay", *SMALL)
+    assert top["schema"] == 1 and len(top["runs"]) == 1
+    doc = top["runs"][0]
     for key in REQUIRED:
         assert key in doc
     w = synthetic_workload(
@@ -66,7 +68,8 @@ def test_builtin_workload_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["prompt_tokens"] == w.prompt_tokens
     assert doc["hit_rate"] == pytest.approx(doc["hit_tokens"] / doc["prompt_tokens"])
     assert doc["hit_tokens"] == count_prefix_hits(w, 16).hit_tokens  # unbounded by default
-    assert doc["evicted_blocks"] == 0 and doc["policy"] == "kv"
+    assert doc["evicted_blocks"] == 0 and doc["policy"] == "kv" and doc["never_evicts"]
+    assert doc["capacity"] == top["workload"]["never_evict_blocks"]
 
 
 def test_builtin_workload_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,7 +89,7 @@ def test_builtin_workload_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_trace_fixture_infinite_capacity_matches_count(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = run_json(
+    top = run_json(
         capsys,
         "replay",
         "--trace",
@@ -96,13 +99,15 @@ def test_trace_fixture_infinite_capacity_matches_count(capsys: pytest.CaptureFix
         "--block-size",
         "4",
     )
+    doc = top["runs"][0]
     count = count_prefix_hits(load_mooncake(MOONCAKE, 16), 4)
     assert doc["requests"] == count.requests == 27
     assert doc["hit_tokens"] == count.hit_tokens > 0
     assert doc["hit_rate"] == pytest.approx(count.hit_rate)
-    assert doc["unbounded_hit_rate"] == pytest.approx(count.hit_rate)
-    doc = run_json(capsys, "replay", "--trace", str(TOKENS), "--block-size", "4", "--check")
-    assert doc["requests"] == 16 and doc["hit_tokens"] > 0
+    assert top["workload"]["unbounded_hit_rate"] == pytest.approx(count.hit_rate)
+    assert top["workload"]["format"] == "mooncake"
+    top = run_json(capsys, "replay", "--trace", str(TOKENS), "--block-size", "4", "--check")
+    assert top["runs"][0]["requests"] == 16 and top["runs"][0]["hit_tokens"] > 0
 
 
 def test_sweep_with_ssm_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -136,11 +141,10 @@ def test_sweep_with_ssm_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: P
         assert r["state_slots"] == (
             0 if r["policy"] == "kv" else r["capacity"] // r["blocks_per_slot"]
         )
-        if r["policy"] != "kv":
-            assert "hit_rate_vs_kv" in r
+        assert (r["hit_rate_vs_kv"] is None) == (r["policy"] == "kv")
     kv = [r for r in runs if r["policy"] == "kv"]
     assert kv[0]["hit_rate"] <= kv[-1]["hit_rate"]
-    assert doc["capacity"] == 400 and doc["policy"] != "kv"
+    assert doc["recommended"]["among"] == "ssm"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["sweep.png"]  # no temp file left
 
@@ -182,6 +186,8 @@ def test_malformed_trace_names_line_and_writes_nothing(
         "16",
         "--plot",
         str(plot),
+        "--sweep",
+        "10,20",
         "--json",
     )
     assert code == 2
@@ -194,14 +200,16 @@ def test_missing_trace_and_bad_flags(capsys: pytest.CaptureFixture[str], tmp_pat
     missing = tmp_path / "missing.jsonl"
     code, out, err = run(capsys, "replay", "--trace", str(missing))
     assert code == 2 and out == "" and f"{missing}: no such trace file" in err
-    code, _out, err = run(capsys, "replay", "--plot", str(tmp_path / "nodir" / "p.png"), *SMALL)
+    code, _out, err = run(
+        capsys, "replay", "--plot", str(tmp_path / "nodir" / "p.png"), "--sweep", "1k,2k", *SMALL
+    )
     assert code == 2 and "does not exist" in err
     code, _out, err = run(capsys, "replay", "--state-slots", "4")
     assert code == 2 and "--ssm" in err
     for argv in (
         ["replay", "--sweep", "1,x"],
         ["replay", "--capacity", "0"],
-        ["replay", "--ckpt-policy", "nope"],
+        ["replay", "--ssm", "--ckpt-policy", "nope"],
         ["replay", "--agentic", "2"],
         [],
     ):
@@ -221,14 +229,15 @@ def test_console_script_module(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["requests"] > 0
+    assert doc["runs"][0]["requests"] > 0
     assert proc.stderr == ""  # --json never shows progress
 
 
 def test_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
     code, out, err = run(capsys, "replay", *SMALL, "--progress")
     assert code == 0 and "hit rate" in out
-    assert "req" in err  # tqdm wrote to stderr
+    assert "counting" in err and "replaying" in err  # tqdm wrote each phase to stderr
 
 
 def test_demo_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

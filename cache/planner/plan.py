@@ -2,21 +2,21 @@
 
 - `never_evict_capacity`: the pool size at which a replay never evicts.
 - `plan_runs`: which (capacity, checkpoint policy, state budget) replays to run.
-- `recommend`: the capacity to buy, from the results of a sweep.
+- `recommend`: the cheapest runs within 1 point / 99 % of the unbounded hit rate.
 
 Nothing here touches a cache, a terminal or a file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache.planner.policy import KV
 from cache.planner.replay import ReplayResult
 from cache.planner.workload import PrefixCount
 
-__all__ = ["KV", "Run", "never_evict_capacity", "plan_runs", "recommend"]
+__all__ = ["Recommendation", "Run", "never_evict_capacity", "plan_runs", "recommend"]
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,41 @@ def plan_runs(
     return runs
 
 
-def recommend(results: Sequence[tuple[Run, ReplayResult]], ceiling: float) -> int | None:
-    """Smallest swept capacity whose attention-only hit rate is within 1 point of `ceiling`."""
-    caps = sorted(
-        r.capacity for run, r in results if run.policy == KV and r.hit_rate >= ceiling - 0.01
-    )
-    return caps[0] if caps else None
+@dataclass(frozen=True)
+class Recommendation:
+    """The cheapest runs near the ceiling (indices into the results; None when none is).
+
+    - `within_1_point`: hit rate >= ceiling - 1 percentage point.
+    - `within_99_percent`: hit rate >= 99 % of the ceiling.
+    - `among`: the runs considered: ``"ssm"`` (every checkpoint-policy run) when the
+      replay has any, since a hybrid model gets only those hit rates, else ``"kv"``.
+    """
+
+    within_1_point: int | None
+    within_99_percent: int | None
+    among: str
+
+
+def recommend(
+    results: Sequence[tuple[Run, ReplayResult]],
+    ceiling: float,
+    cost: Callable[[Run], float] | None = None,
+) -> Recommendation:
+    """The cheapest run within 1 point, and within 99 %, of `ceiling` (the unbounded
+    attention-only hit rate), over every run of its kind (see `Recommendation`).
+
+    `cost` orders runs (e.g. KV plus state bytes); by default capacity, then state slots.
+    Ties go to the earlier run.
+    """
+    ssm = any(run.policy != KV for run, _ in results)
+    among = [i for i, (run, _) in enumerate(results) if (run.policy != KV) == ssm]
+
+    def key(i: int) -> tuple[float, int, int, int]:
+        run = results[i][0]
+        return (cost(run) if cost is not None else 0.0, run.capacity, run.slots, i)
+
+    def cheapest(threshold: float) -> int | None:
+        ok = [i for i in among if results[i][1].hit_rate >= threshold - 1e-12]
+        return min(ok, key=key) if ok else None
+
+    return Recommendation(cheapest(ceiling - 0.01), cheapest(ceiling * 0.99), "ssm" if ssm else KV)

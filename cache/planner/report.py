@@ -1,19 +1,119 @@
-"""Rendering a replay report: the terminal table (rich) and the --json form.
+"""The replay report as data (the ``--json`` schema), and its text and CSV renderings.
 
-Only `print_report` imports rich, when called.
+`build_report` makes the one document every output is drawn from, so the
+table, the JSON, the CSV and the plot cannot disagree. Its schema (version
+`SCHEMA`, documented in docs/replay.md) has every key present in every
+document: a value that does not apply is ``null``.
+
+Vocabulary (the same words in every rendering):
+
+- *hit rate*: prompt tokens served from cache / all prompt tokens.
+- *ceiling*: the hit rate of an unbounded attention-only cache (counted
+  directly, `count_prefix_hits`); *distinct blocks*: what that cache ends up
+  holding.
+- *capacity*: KV blocks in the pool. *never-evict capacity*: distinct blocks
+  plus the live requests' private blocks (plus one frozen tail block per
+  checkpoint slot with SSM): a run at or above it never evicts.
+- *peak pins*: the most KV blocks live requests held at once in a run (they
+  cannot be evicted).
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any, TextIO
+import csv
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from cache.planner.plan import Run, recommend
+from cache.planner.plan import Recommendation, Run
 from cache.planner.policy import KV
 from cache.planner.replay import ReplayResult
+from cache.planner.table import Column, render_table
 from cache.planner.workload import PrefixCount, Workload
 
-__all__ = ["fmt_bytes", "fmt_count", "print_report", "result_dict"]
+__all__ = [
+    "RUN_KEYS",
+    "SCHEMA",
+    "WORKLOAD_KEYS",
+    "abbreviate",
+    "build_report",
+    "fmt_bytes",
+    "fmt_count",
+    "render_csv",
+    "render_text",
+]
+
+SCHEMA = 1
+
+WORKLOAD_KEYS = (
+    "name",
+    "description",
+    "format",
+    "requests",
+    "prompt_tokens",
+    "block_size",
+    "concurrency",
+    "max_decode_tokens",
+    "kv_bytes_per_token",
+    "state_bytes_per_slot",
+    "unbounded_hit_rate",
+    "distinct_blocks",
+    "distinct_bytes",
+    "never_evict_blocks",
+    "never_evict_bytes",
+)
+RUN_KEYS = (
+    "capacity",
+    "kv_bytes",
+    "policy",
+    "blocks_per_slot",
+    "state_slots",
+    "state_bytes",
+    "total_bytes",
+    "never_evicts",
+    "requests",
+    "rejected",
+    "prompt_tokens",
+    "hit_tokens",
+    "hit_rate",
+    "kv_hit_rate",
+    "hit_rate_vs_kv",
+    "tokens_saved",
+    "decode_tokens",
+    "evicted_blocks",
+    "evicted_checkpoints",
+    "checkpoint_hits",
+    "checkpoints_saved",
+    "checkpoints_skipped",
+    "peak_pinned_blocks",
+    "peak_checkpoint_pins",
+    "peak_cached_blocks",
+    "peak_used_blocks",
+    "wall_s",
+    "requests_per_s",
+    "tokens_per_s",
+    "us_per_block",
+)
+PICK_KEYS = ("run", "capacity", "policy", "state_slots", "kv_bytes", "state_bytes", "hit_rate")
+TIMING_KEYS = ("wall_s", "requests_per_s", "tokens_per_s", "us_per_block")
+"""Run keys that measure this machine (they differ between two identical replays)."""
+
+_CODES = {
+    "every-block": "EB",
+    "every-n": "N",
+    "chunk-boundaries": "CB",
+    "prompt-end": "PE",
+    "branch-points": "BP",
+    "decode-end": "DE",
+    "spare-slots": "SS",
+}
+
+
+def abbreviate(policy: str) -> str:
+    """A short, unambiguous name: ``branch-points+prompt-end`` -> ``BP+PE``; kv -> ``KV``."""
+    if policy == KV:
+        return "KV"
+    return "+".join(_CODES.get(part, part) for part in policy.split("+"))
 
 
 def fmt_bytes(n: float) -> str:
@@ -33,155 +133,285 @@ def fmt_count(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def result_dict(
-    result: ReplayResult, args: argparse.Namespace, run: Run, kv: ReplayResult | None
-) -> dict[str, Any]:
-    out = result.to_dict()
-    out["blocks_per_slot"] = run.blocks_per_slot
-    if args.kv_bytes_per_token:
-        out["kv_bytes"] = result.capacity * result.block_size * args.kv_bytes_per_token
-    if args.state_bytes_per_slot and result.state_slots:
-        out["state_bytes"] = result.state_slots * args.state_bytes_per_slot
-    if kv is not None and run.policy != KV:
-        out["kv_hit_rate"] = kv.hit_rate
-        out["hit_rate_vs_kv"] = result.hit_rate - kv.hit_rate
-    return out
+def _bytes(n: int | None, per: int | None) -> int | None:
+    return None if n is None or per is None else n * per
 
 
-def print_report(
-    stream: TextIO,
+def build_report(
     workload: Workload[Any],
-    args: argparse.Namespace,
+    fmt: str,
     count: PrefixCount,
-    results: list[tuple[Run, ReplayResult]],
-    kv_by_cap: dict[int, ReplayResult],
-    infinite: int,
-) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+    never_evict: int,
+    runs: Sequence[Run],
+    results: Sequence[ReplayResult],
+    recommendation: Recommendation,
+    *,
+    block_size: int,
+    concurrency: int,
+    max_decode_tokens: int | None,
+    kv_bytes_per_token: int | None,
+    state_bytes_per_slot: int | None,
+) -> dict[str, Any]:
+    """The report document (schema `SCHEMA`): ``{"schema", "workload", "runs",
+    "recommended"}``, every key always present."""
+    per_block = None if kv_bytes_per_token is None else kv_bytes_per_token * block_size
+    kv_at = {run.capacity: r for run, r in zip(runs, results, strict=True) if run.policy == KV}
+    out_runs: list[dict[str, Any]] = []
+    for run, r in zip(runs, results, strict=True):
+        kv = kv_at.get(run.capacity) if run.policy != KV else None
+        kv_bytes = _bytes(run.capacity, per_block)
+        state_bytes = _bytes(r.state_slots, state_bytes_per_slot) if run.policy != KV else None
+        total = None
+        if kv_bytes is not None and (run.policy == KV or state_bytes is not None):
+            total = kv_bytes + (state_bytes or 0)
+        row = {
+            "capacity": run.capacity,
+            "kv_bytes": kv_bytes,
+            "policy": run.policy,
+            "blocks_per_slot": run.blocks_per_slot,
+            "state_slots": r.state_slots,
+            "state_bytes": state_bytes,
+            "total_bytes": total,
+            "never_evicts": run.capacity >= never_evict,
+            "requests": r.requests,
+            "rejected": r.rejected,
+            "prompt_tokens": r.prompt_tokens,
+            "hit_tokens": r.hit_tokens,
+            "hit_rate": r.hit_rate,
+            "kv_hit_rate": None if kv is None else kv.hit_rate,
+            "hit_rate_vs_kv": None if kv is None else r.hit_rate - kv.hit_rate,
+            "tokens_saved": r.tokens_saved,
+            "decode_tokens": r.decode_tokens,
+            "evicted_blocks": r.evicted_blocks,
+            "evicted_checkpoints": r.evicted_checkpoints,
+            "checkpoint_hits": r.checkpoint_hits,
+            "checkpoints_saved": r.checkpoints_saved,
+            "checkpoints_skipped": r.checkpoints_skipped,
+            "peak_pinned_blocks": r.peak_pinned_blocks,
+            "peak_checkpoint_pins": r.peak_pins,
+            "peak_cached_blocks": r.peak_cached_blocks,
+            "peak_used_blocks": r.peak_used_blocks,
+            "wall_s": r.wall_s,
+            "requests_per_s": r.requests_per_s,
+            "tokens_per_s": r.tokens_per_s,
+            "us_per_block": r.us_per_block,
+        }
+        out_runs.append(row)
 
-    probe = Console(file=stream)
-    console = Console(file=stream, width=probe.width if probe.is_terminal else 200, highlight=False)
-    per_token = args.kv_bytes_per_token
-    bs = args.block_size
-    console.print(f"[bold]workload[/bold]: {workload.description}")
-    console.print(
-        f"{count.requests:,} requests, {count.prompt_tokens:,} prompt tokens; "
-        f"an unbounded cache would hold {count.unique_blocks:,} blocks of {bs} tokens"
-        + (f" ({fmt_bytes(count.unique_blocks * bs * per_token)})" if per_token else "")
-        + f" and hit {count.hit_rate:.2%} of prompt tokens."
-    )
-    if len(results) == 1:
-        run, r = results[0]
-        table = Table(box=box.SIMPLE_HEAVY, show_header=False, title="replay summary")
-        table.add_column("metric", style="bold")
-        table.add_column("value", justify="right")
-        cap = f"{r.capacity:,} blocks" + (
-            f" ({fmt_bytes(r.capacity * bs * per_token)})" if per_token else ""
-        )
-        if args.capacity is None:
-            cap += " (never evicts)"
-        rows: list[tuple[str, str]] = [
-            ("capacity", cap),
-            (
-                "requests",
-                f"{r.requests:,}" + (f" ({r.rejected:,} rejected: too big)" if r.rejected else ""),
-            ),
-            ("prompt tokens", f"{r.prompt_tokens:,}"),
-            ("hit rate", f"{r.hit_rate:.2%}"),
-            ("tokens saved", f"{r.tokens_saved:,}"),
-            ("evictions", f"{r.evicted_blocks:,} blocks"),
-            ("peak pins", f"{r.peak_pinned_blocks:,} blocks held by live requests"),
-            *(
-                [
-                    ("checkpoint policy", f"{r.policy} ({r.state_slots:,} slots)"),
-                    ("checkpoint hits", f"{r.checkpoint_hits:,}"),
-                    (
-                        "checkpoints saved",
-                        f"{r.checkpoints_saved:,} ({r.checkpoints_skipped:,} skipped, "
-                        f"{r.evicted_checkpoints:,} evicted)",
-                    ),
-                    ("peak pins", f"{r.peak_pins:,} checkpoint pins"),
-                ]
-                if r.state_slots
-                else []
-            ),
-            ("peak cached blocks", f"{r.peak_cached_blocks:,}"),
-            (
-                "throughput",
-                f"{r.requests_per_s:,.0f} req/s, {fmt_count(r.tokens_per_s)} tok/s, "
-                f"{r.us_per_block:.2f} us/block",
-            ),
-        ]
-        for name, value in rows:
-            table.add_row(name, value)
-        console.print(table)
+    def pick(index: int | None) -> dict[str, Any] | None:
+        if index is None:
+            return None
+        row = out_runs[index]
+        return {"run": index, **{k: row[k] for k in PICK_KEYS[1:]}}
+
+    return {
+        "schema": SCHEMA,
+        "workload": {
+            "name": workload.name,
+            "description": workload.description,
+            "format": fmt,
+            "requests": count.requests,
+            "prompt_tokens": count.prompt_tokens,
+            "block_size": block_size,
+            "concurrency": concurrency,
+            "max_decode_tokens": max_decode_tokens,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "state_bytes_per_slot": state_bytes_per_slot,
+            "unbounded_hit_rate": count.hit_rate,
+            "distinct_blocks": count.unique_blocks,
+            "distinct_bytes": _bytes(count.unique_blocks, per_block),
+            "never_evict_blocks": never_evict,
+            "never_evict_bytes": _bytes(never_evict, per_block),
+        },
+        "runs": out_runs,
+        "recommended": {
+            "ceiling": count.hit_rate,
+            "among": recommendation.among,
+            "within_1_point": pick(recommendation.within_1_point),
+            "within_99_percent": pick(recommendation.within_99_percent),
+        },
+    }
+
+
+def render_csv(doc: dict[str, Any]) -> str:
+    """One row per run, the columns of `RUN_KEYS` (empty where the value is null)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(RUN_KEYS)
+    for row in doc["runs"]:
+        writer.writerow(["" if row[k] is None else row[k] for k in RUN_KEYS])
+    return buf.getvalue()
+
+
+def _pct(x: float) -> str:
+    return f"{x:.2%}"
+
+
+def _cap(blocks: int, nbytes: int | None) -> str:
+    return f"{blocks:,} blocks" + (f" ({fmt_bytes(nbytes)})" if nbytes is not None else "")
+
+
+def _pick_text(pick: dict[str, Any], ssm: bool) -> str:
+    text = _cap(pick["capacity"], pick["kv_bytes"])
+    if ssm:
+        text += f" with {abbreviate(pick['policy'])} @ {pick['state_slots']:,} slots"
+        if pick["state_bytes"] is not None:
+            text += f" ({fmt_bytes(pick['state_bytes'])} of state)"
+    return text + f": {_pct(pick['hit_rate'])}"
+
+
+def render_text(doc: dict[str, Any], width: int) -> str:
+    """The human report: workload and ceiling, the run table (fitted to `width`,
+    policies abbreviated with a legend), the recommendation and the definitions."""
+    w = doc["workload"]
+    runs = doc["runs"]
+    ssm = any(r["policy"] != KV for r in runs)
+    bs = w["block_size"]
+    lines = [
+        f"workload: {w['description']}",
+        f"  {w['requests']:,} requests, {w['prompt_tokens']:,} prompt tokens, "
+        f"blocks of {bs} tokens",
+        f"  ceiling (unbounded cache): {_pct(w['unbounded_hit_rate'])} hit rate; it ends "
+        f"holding {w['distinct_blocks']:,} distinct blocks"
+        + (f" ({fmt_bytes(w['distinct_bytes'])})" if w["distinct_bytes"] is not None else ""),
+        f"  never-evict capacity: {_cap(w['never_evict_blocks'], w['never_evict_bytes'])} "
+        f"(distinct blocks + room for {w['concurrency']:,} live requests"
+        + (" + a frozen tail block per checkpoint slot)" if ssm else ")"),
+        "",
+    ]
+    if len(runs) == 1:
+        lines += _single(runs[0], ssm)
     else:
-        ssm = any(run.policy != KV for run, _ in results)
-        table = Table(box=box.SIMPLE_HEAVY, title="replay summary")
-        table.add_column("capacity", justify="right")
-        if per_token:
-            table.add_column("KV mem", justify="right")
-        if ssm:
-            table.add_column("policy")
-            table.add_column("slots", justify="right")
-            if args.state_bytes_per_slot:
-                table.add_column("state mem", justify="right")
-        table.add_column("requests", justify="right")
-        table.add_column("prompt tok", justify="right")
-        table.add_column("hit rate", justify="right")
-        if ssm:
-            table.add_column("vs KV", justify="right")
-        table.add_column("tok saved", justify="right")
-        table.add_column("evicted", justify="right")
-        if ssm:
-            table.add_column("ckpt hits", justify="right")
-        table.add_column("peak pins", justify="right")
-        table.add_column("rejected", justify="right")
-        table.add_column("req/s", justify="right")
-        for run, r in results:
-            cells = [f"{r.capacity:,}"]
-            if per_token:
-                cells.append(fmt_bytes(r.capacity * bs * per_token))
-            if ssm:
-                cells.append(run.policy)
-                cells.append(f"{r.state_slots:,}" if r.state_slots else "-")
-                if args.state_bytes_per_slot:
-                    cells.append(
-                        fmt_bytes(r.state_slots * args.state_bytes_per_slot)
-                        if r.state_slots
-                        else "-"
-                    )
-            cells += [f"{r.requests:,}", fmt_count(r.prompt_tokens), f"{r.hit_rate:.2%}"]
-            if ssm:
-                kv = kv_by_cap.get(r.capacity)
-                cells.append(
-                    ""
-                    if run.policy == KV or kv is None
-                    else f"{(r.hit_rate - kv.hit_rate) * 100:+.2f} pt"
-                )
-            cells += [fmt_count(r.tokens_saved), fmt_count(r.evicted_blocks)]
-            if ssm:
-                cells.append(f"{r.checkpoint_hits:,}" if run.policy != KV else "-")
-            cells += [f"{r.peak_pinned_blocks:,}", f"{r.rejected:,}", f"{r.requests_per_s:,.0f}"]
-            table.add_row(*cells)
-        console.print(table)
-    if len({run.capacity for run, _ in results}) > 1:
-        best = recommend(results, count.hit_rate)
-        if best is not None:
-            mem = f" ({fmt_bytes(best * bs * per_token)})" if per_token else ""
-            console.print(
-                "Smallest swept capacity within 1 point of the unbounded hit rate: "
-                f"{best:,} blocks{mem}."
+        lines += _table(runs, ssm, width)
+    if ssm:
+        used = sorted({p for r in runs for p in r["policy"].split("+") if r["policy"] != KV})
+        legend = ", ".join(f"{_CODES.get(p, p)} = {p}" for p in used)
+        lines.append(f"policies: KV = attention-only; {legend}")
+    rec = doc["recommended"]
+    one, near = rec["within_1_point"], rec["within_99_percent"]
+    kind = "SSM runs" if rec["among"] != KV else "runs"
+    if one is None and near is None:
+        lines.append(
+            f"recommended: no {kind} reach within 1 point or 99% of the ceiling "
+            f"({_pct(rec['ceiling'])}); {w['never_evict_blocks']:,} blocks never evict."
+        )
+    else:
+        if one is not None:
+            lines.append(
+                f"recommended: {_pick_text(one, ssm)}, the cheapest of the {kind} within "
+                f"1 point of the ceiling ({_pct(rec['ceiling'])})"
             )
         else:
-            console.print(
-                f"No swept capacity reaches within 1 point of the unbounded hit rate "
-                f"({count.hit_rate:.2%}); {infinite:,} blocks never evict."
+            lines.append(f"recommended: no {kind} reach within 1 point of the ceiling")
+        if near is not None:
+            lines.append(
+                f"  within 99% of the ceiling: {_pick_text(near, ssm)}"
+                if near != one
+                else "  (also the cheapest within 99% of the ceiling)"
             )
-    console.print(
-        "[dim]hit rate = prompt tokens served from cache / all prompt tokens; "
-        "'peak pins' = most KV blocks live requests held at once (a capacity below it "
-        "rejects requests).[/dim]"
+    lines.append(
+        "hit rate = prompt tokens served from cache / all prompt tokens; capacity = KV "
+        "blocks in the pool; peak pins = most KV blocks live requests held at once (not "
+        "evictable). When a request does not fit, the replay releases live requests early; "
+        "it rejects a request only when it alone does not fit."
     )
+    return "\n".join(lines)
+
+
+def _if(condition: object, text: str, otherwise: str = "") -> str:
+    return text if condition else otherwise
+
+
+def _or_dash(value: Any, fmt: Callable[[Any], str]) -> str:
+    return "-" if value is None else fmt(value)
+
+
+def _single(r: dict[str, Any], ssm: bool) -> list[str]:
+    rows: list[tuple[str, str]] = [
+        (
+            "capacity",
+            _cap(r["capacity"], r["kv_bytes"]) + (" (never evicts)" if r["never_evicts"] else ""),
+        ),
+        (
+            "requests",
+            f"{r['requests']:,}" + (f" ({r['rejected']:,} rejected)" if r["rejected"] else ""),
+        ),
+        ("prompt tokens", f"{r['prompt_tokens']:,}"),
+        ("hit rate", _pct(r["hit_rate"])),
+        ("tokens saved", f"{r['tokens_saved']:,}"),
+        ("evictions", f"{r['evicted_blocks']:,} blocks"),
+        ("peak pins", f"{r['peak_pinned_blocks']:,} blocks"),
+    ]
+    if ssm:
+        rows += [
+            ("checkpoint policy", f"{r['policy']} ({r['state_slots']:,} slots)"),
+            ("checkpoint hits", f"{r['checkpoint_hits']:,}"),
+            (
+                "checkpoints saved",
+                f"{r['checkpoints_saved']:,} ({r['checkpoints_skipped']:,} skipped, "
+                f"{r['evicted_checkpoints']:,} evicted)",
+            ),
+            ("peak checkpoint pins", f"{r['peak_checkpoint_pins']:,}"),
+        ]
+        if r["state_bytes"] is not None:
+            rows.append(("state memory", fmt_bytes(r["state_bytes"])))
+    rows += [
+        ("peak cached blocks", f"{r['peak_cached_blocks']:,}"),
+        (
+            "throughput",
+            f"{r['requests_per_s']:,.0f} req/s, {fmt_count(r['tokens_per_s'])} tok/s, "
+            f"{r['us_per_block']:.2f} us/block",
+        ),
+    ]
+    name_width = max(len(n) for n, _ in rows)
+    return [f"  {n:<{name_width}}  {v}" for n, v in rows]
+
+
+def _table(runs: list[dict[str, Any]], ssm: bool, width: int) -> list[str]:
+    cols = [Column("capacity", [f"{r['capacity']:,}" for r in runs])]
+    if ssm:
+        cols.append(Column("policy", [abbreviate(r["policy"]) for r in runs], "<"))
+        cols.append(
+            Column("slots", [f"{r['state_slots']:,}" if r["policy"] != KV else "-" for r in runs])
+        )
+    keys = len(cols)
+    if any(r["kv_bytes"] is not None for r in runs):
+        cols.append(Column("KV mem", [fmt_bytes(r["kv_bytes"]) for r in runs]))
+    if ssm and any(r["state_bytes"] is not None for r in runs):
+        cols.append(
+            Column(
+                "state mem",
+                [
+                    fmt_bytes(r["state_bytes"]) if r["state_bytes"] is not None else "-"
+                    for r in runs
+                ],
+            )
+        )
+    cols.append(Column("hit rate", [_pct(r["hit_rate"]) for r in runs]))
+    if ssm:
+        cols.append(
+            Column(
+                "vs KV",
+                [
+                    f"{r['hit_rate_vs_kv'] * 100:+.2f} pt"
+                    if r["hit_rate_vs_kv"] is not None
+                    else "-"
+                    for r in runs
+                ],
+            )
+        )
+        cols.append(
+            Column(
+                "ckpt hits",
+                [f"{r['checkpoint_hits']:,}" if r["policy"] != KV else "-" for r in runs],
+            )
+        )
+    cols += [
+        Column("tok saved", [fmt_count(r["tokens_saved"]) for r in runs]),
+        Column("evicted", [fmt_count(r["evicted_blocks"]) for r in runs]),
+        Column("peak pins", [f"{r['peak_pinned_blocks']:,}" for r in runs]),
+        Column("rejected", [f"{r['rejected']:,}" for r in runs]),
+        Column("requests", [f"{r['requests']:,}" for r in runs]),
+        Column("req/s", [f"{r['requests_per_s']:,.0f}" for r in runs]),
+    ]
+    return [*render_table(cols, width, keys)]

@@ -294,7 +294,10 @@ class PrefixCount:
 
 
 def count_prefix_hits(
-    workload: Workload[Any], block_size: int, max_decode_tokens: int | None = None
+    workload: Workload[Any],
+    block_size: int,
+    max_decode_tokens: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> PrefixCount:
     """Count, without any cache, the tokens an infinite prefix cache would serve.
 
@@ -303,6 +306,7 @@ def count_prefix_hits(
     `max_decode_tokens`), in the same namespace, capped so that at least one
     prompt token is left to compute. Prefixes are interned as integer ids:
     ``id(prefix + block) = table[(namespace, id(prefix), block tokens)]``.
+    `progress(n)` is called with the requests counted so far, every 256 and at the end.
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
@@ -314,6 +318,8 @@ def count_prefix_hits(
     b = block_size
     for req in workload:
         requests += 1
+        if progress is not None and requests % 256 == 0:
+            progress(requests)
         prompt = req.prompt
         prompt_tokens += len(prompt)
         limit = (len(prompt) - 1) // b
@@ -338,4 +344,6 @@ def count_prefix_hits(
                 nxt = len(table)
                 table[key] = nxt
             prefix = nxt
+    if progress is not None:
+        progress(requests)
     return PrefixCount(requests, prompt_tokens, hit_tokens, len(table), max_blocks)
