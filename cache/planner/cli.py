@@ -23,7 +23,7 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, NoReturn
 
 from cache.planner.execute import EXECUTORS, ReplaySettings, available_cores, run_all
 from cache.planner.plan import Run, never_evict_capacity, plan_runs, recommend
@@ -177,6 +177,13 @@ def _policy_list(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (the usage block is what --help is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class _Formatter(argparse.HelpFormatter):
     """Help with the default of each valued option, written as it would be typed
     (switches and unset options say nothing; their help says what unset means)."""
@@ -206,7 +213,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, description="blocktrie: a prefix cache for hybrid attention + SSM models."
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")

@@ -90,11 +90,15 @@ class Recommendation:
     - `within_99_percent`: hit rate >= 99 % of the ceiling.
     - `among`: the runs considered: ``"ssm"`` (every checkpoint-policy run) when the
       replay has any, since a hybrid model gets only those hit rates, else ``"kv"``.
+    - `ceiling`: what "near" is measured against: the unbounded attention-only hit
+      rate for ``"kv"``; for ``"ssm"`` the best hit rate any SSM run reached (a hybrid
+      model cannot reach the attention-only ceiling: hits end at checkpoints).
     """
 
     within_1_point: int | None
     within_99_percent: int | None
     among: str
+    ceiling: float
 
 
 def recommend(
@@ -102,8 +106,9 @@ def recommend(
     ceiling: float,
     cost: Callable[[Run], float] | None = None,
 ) -> Recommendation:
-    """The cheapest run within 1 point, and within 99 %, of `ceiling` (the unbounded
-    attention-only hit rate), over every run of its kind (see `Recommendation`).
+    """The cheapest run within 1 point, and within 99 %, of the ceiling, over every run
+    of its kind (see `Recommendation`). `ceiling` is the unbounded attention-only hit
+    rate; with SSM runs the ceiling is the best SSM hit rate instead.
 
     `cost` orders runs (e.g. KV plus state bytes); by default capacity, then state slots.
     Ties go to the earlier run.
@@ -115,8 +120,13 @@ def recommend(
         run = results[i][0]
         return (cost(run) if cost is not None else 0.0, run.capacity, run.slots, i)
 
+    if ssm:
+        ceiling = max(results[i][1].hit_rate for i in among)
+
     def cheapest(threshold: float) -> int | None:
         ok = [i for i in among if results[i][1].hit_rate >= threshold - 1e-12]
         return min(ok, key=key) if ok else None
 
-    return Recommendation(cheapest(ceiling - 0.01), cheapest(ceiling * 0.99), "ssm" if ssm else KV)
+    return Recommendation(
+        cheapest(ceiling - 0.01), cheapest(ceiling * 0.99), "ssm" if ssm else KV, ceiling
+    )

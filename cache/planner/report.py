@@ -225,7 +225,7 @@ def build_report(
         },
         "runs": out_runs,
         "recommended": {
-            "ceiling": count.hit_rate,
+            "ceiling": recommendation.ceiling,
             "among": recommendation.among,
             "within_1_point": pick(recommendation.within_1_point),
             "within_99_percent": pick(recommendation.within_99_percent),
@@ -289,26 +289,26 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         lines.append(f"policies: KV = attention-only; {legend}")
     rec = doc["recommended"]
     one, near = rec["within_1_point"], rec["within_99_percent"]
-    kind = "SSM runs" if rec["among"] != KV else "runs"
-    if one is None and near is None:
+    if rec["among"] != KV:
+        kind, target = "SSM runs", f"the best SSM hit rate ({_pct(rec['ceiling'])})"
+    else:
+        kind, target = "runs", f"the ceiling ({_pct(rec['ceiling'])})"
+    if one is not None:
         lines.append(
-            f"recommended: no {kind} reach within 1 point or 99% of the ceiling "
-            f"({_pct(rec['ceiling'])}); {w['never_evict_blocks']:,} blocks never evict."
+            f"recommended: {_pick_text(one, ssm)}: the cheapest of the {kind} within 1 point "
+            f"of {target}"
         )
     else:
-        if one is not None:
-            lines.append(
-                f"recommended: {_pick_text(one, ssm)}, the cheapest of the {kind} within "
-                f"1 point of the ceiling ({_pct(rec['ceiling'])})"
-            )
-        else:
-            lines.append(f"recommended: no {kind} reach within 1 point of the ceiling")
-        if near is not None:
-            lines.append(
-                f"  within 99% of the ceiling: {_pick_text(near, ssm)}"
-                if near != one
-                else "  (also the cheapest within 99% of the ceiling)"
-            )
+        lines.append(
+            f"recommended: none of the {kind} is within 1 point of {target}; "
+            f"{w['never_evict_blocks']:,} blocks never evict"
+        )
+    if near is not None:
+        lines.append(
+            f"  within 99% of it: {_pick_text(near, ssm)}"
+            if near != one
+            else "  (also the cheapest within 99% of it)"
+        )
     lines.append(
         "hit rate = prompt tokens served from cache / all prompt tokens; capacity = KV "
         "blocks in the pool; peak pins = most KV blocks live requests held at once (not "
