@@ -305,12 +305,19 @@ def count_prefix_hits(
     request committed (its prompt, then its decoded output, up to
     `max_decode_tokens`), in the same namespace, capped so that at least one
     prompt token is left to compute. Prefixes are interned as integer ids:
-    ``id(prefix + block) = table[(namespace, id(prefix), block tokens)]``.
+    ``id(prefix + block) = table[id(prefix), id(block tokens)]``, the root of each
+    namespace having an id of its own.
     `progress(n)` is called with the requests counted so far, every 256 and at the end.
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
-    table: dict[tuple[Any, ...], int] = {}
+    # Compact keys: a block's tokens are interned once (`blocks`), and the table maps
+    # one int, prefix id * 2**40 + block id, to the prefix id of prefix + block. Each
+    # namespace's root is a prefix id of its own (negative, so never a table value).
+    blocks: dict[tuple[int, ...], int] = {}
+    roots: dict[str, int] = {}
+    table: dict[int, int] = {}
+    shift = 1 << 40
     hit_tokens = 0
     prompt_tokens = 0
     max_blocks = 0
@@ -322,11 +329,13 @@ def count_prefix_hits(
             progress(requests)
         prompt = req.prompt
         prompt_tokens += len(prompt)
+        root = roots.setdefault(req.namespace, -1 - len(roots))
         limit = (len(prompt) - 1) // b
-        prefix = -1
+        prefix = root
         hit = 0
         for i in range(limit):
-            nxt = table.get((req.namespace, prefix, tuple(prompt[i * b : (i + 1) * b])))
+            block = blocks.get(tuple(prompt[i * b : (i + 1) * b]))
+            nxt = None if block is None else table.get(prefix * shift + block)
             if nxt is None:
                 break
             prefix = nxt
@@ -336,9 +345,11 @@ def count_prefix_hits(
         full = [*prompt, *output]
         nblocks = len(full) // b
         max_blocks = max(max_blocks, -(-len(full) // b))
-        prefix = -1
+        prefix = root
         for i in range(nblocks):
-            key = (req.namespace, prefix, tuple(full[i * b : (i + 1) * b]))
+            tokens = tuple(full[i * b : (i + 1) * b])
+            block = blocks.setdefault(tokens, len(blocks))
+            key = prefix * shift + block
             nxt = table.get(key)
             if nxt is None:
                 nxt = len(table)
