@@ -90,3 +90,10 @@ def test_cli_module_imports_without_torch() -> None:
     """`blocktrie --help` and usage errors never load torch (it takes seconds)."""
     loaded = _loaded_after(["cache.planner.cli"], ("torch",))
     assert "cache" in loaded and "torch" not in loaded
+
+
+def test_policy_codes_cover_every_placement() -> None:
+    from cache.planner.policy import CODES, POLICY_NAMES
+
+    assert set(CODES) == set(POLICY_NAMES)
+    assert len(set(CODES.values())) == len(CODES)  # abbreviations are unambiguous

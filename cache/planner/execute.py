@@ -9,15 +9,13 @@ pickling it (the parent has not loaded torch: each worker imports it).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from cache.planner.plan import Run
-from cache.planner.policy import KV, CheckpointPolicy
+from cache.planner.policy import KV, CheckpointPolicy, abbreviate
 from cache.planner.replay import ReplayResult, run_replay
 from cache.planner.workload import Workload
 
@@ -111,12 +109,15 @@ def run_all(
     if jobs == 1 or len(runs) == 1:
         results = []
         for i, run in enumerate(runs):
-            label = f"{run.capacity:,} blocks {run.policy}"
+            label = f"{run.capacity:,} blocks {abbreviate(run.policy)}"
             cb = None if progress is None else (lambda n, label=label: progress(n, label))
             results.append(run_one(workload, run, settings, cb))
             if on_done is not None:
                 on_done(i)
         return results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     _SHARED["workload"] = workload
     try:
         context = multiprocessing.get_context("fork")

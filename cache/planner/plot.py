@@ -83,9 +83,10 @@ def write_plot(path: str, doc: dict[str, Any]) -> None:
         ceiling = w["unbounded_hit_rate"] * 100
         ax.axhline(ceiling, color="grey", linestyle=":", label=f"ceiling {ceiling:.2f}%")
         rec = doc["recommended"]
+        goal = "the best SSM hit rate" if rec["among"] != KV else "the ceiling"
         for key, marker, text in (
-            ("within_99_percent", "s", "within 99% of the ceiling"),
-            ("within_1_point", "*", "within 1 point of the ceiling"),
+            ("within_99_percent", "s", f"cheapest within 99% of {goal}"),
+            ("within_1_point", "*", f"cheapest within 1 point of {goal}"),
         ):
             pick = rec[key]
             if pick is not None:

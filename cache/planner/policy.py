@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_POLICY", "KV", "POLICY_NAMES", "CheckpointPolicy"]
+__all__ = ["CODES", "DEFAULT_POLICY", "KV", "POLICY_NAMES", "CheckpointPolicy", "abbreviate"]
 
 KV = "kv"
 """The policy name of an attention-only replay (no SSM checkpoints)."""
@@ -125,3 +125,22 @@ class CheckpointPolicy:
         if not self.spare_slots:
             essential |= periodic
         return {s: s in essential for s in essential | periodic if hit < s <= prompt_len}
+
+
+CODES: dict[str, str] = {
+    "every-block": "EB",
+    "every-n": "N",
+    "chunk-boundaries": "CB",
+    "prompt-end": "PE",
+    "branch-points": "BP",
+    "decode-end": "DE",
+    "spare-slots": "SS",
+}
+"""Short names of the placements, for tables and progress labels."""
+
+
+def abbreviate(policy: str) -> str:
+    """A short, unambiguous name: ``branch-points+prompt-end`` -> ``BP+PE``; kv -> ``KV``."""
+    if policy == KV:
+        return "KV"
+    return "+".join(CODES.get(part, part) for part in policy.split("+"))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache.planner.plan import Recommendation, Run
-from cache.planner.policy import KV
+from cache.planner.policy import CODES, KV, abbreviate
 from cache.planner.replay import ReplayResult
 from cache.planner.table import Column, render_table
 from cache.planner.workload import PrefixCount, Workload
@@ -35,7 +35,6 @@ __all__ = [
     "RUN_KEYS",
     "SCHEMA",
     "WORKLOAD_KEYS",
-    "abbreviate",
     "build_report",
     "fmt_bytes",
     "fmt_count",
@@ -97,23 +96,6 @@ RUN_KEYS = (
 PICK_KEYS = ("run", "capacity", "policy", "state_slots", "kv_bytes", "state_bytes", "hit_rate")
 TIMING_KEYS = ("wall_s", "requests_per_s", "tokens_per_s", "us_per_block")
 """Run keys that measure this machine (they differ between two identical replays)."""
-
-_CODES = {
-    "every-block": "EB",
-    "every-n": "N",
-    "chunk-boundaries": "CB",
-    "prompt-end": "PE",
-    "branch-points": "BP",
-    "decode-end": "DE",
-    "spare-slots": "SS",
-}
-
-
-def abbreviate(policy: str) -> str:
-    """A short, unambiguous name: ``branch-points+prompt-end`` -> ``BP+PE``; kv -> ``KV``."""
-    if policy == KV:
-        return "KV"
-    return "+".join(_CODES.get(part, part) for part in policy.split("+"))
 
 
 def fmt_bytes(n: float) -> str:
@@ -257,7 +239,7 @@ def _pick_text(pick: dict[str, Any], ssm: bool) -> str:
         text += f" with {abbreviate(pick['policy'])} @ {pick['state_slots']:,} slots"
         if pick["state_bytes"] is not None:
             text += f" ({fmt_bytes(pick['state_bytes'])} of state)"
-    return text + f": {_pct(pick['hit_rate'])}"
+    return text + f" ({_pct(pick['hit_rate'])} hit rate)"
 
 
 def render_text(doc: dict[str, Any], width: int) -> str:
@@ -285,7 +267,7 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         lines += _table(runs, ssm, width)
     if ssm:
         used = sorted({p for r in runs for p in r["policy"].split("+") if r["policy"] != KV})
-        legend = ", ".join(f"{_CODES.get(p, p)} = {p}" for p in used)
+        legend = ", ".join(f"{CODES.get(p, p)} = {p}" for p in used)
         lines.append(f"policies: KV = attention-only; {legend}")
     rec = doc["recommended"]
     one, near = rec["within_1_point"], rec["within_99_percent"]
@@ -295,7 +277,7 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         kind, target = "runs", f"the ceiling ({_pct(rec['ceiling'])})"
     if one is not None:
         lines.append(
-            f"recommended: {_pick_text(one, ssm)}: the cheapest of the {kind} within 1 point "
+            f"recommended: {_pick_text(one, ssm)}, the cheapest of the {kind} within 1 point "
             f"of {target}"
         )
     else:
