@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import io
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -261,10 +262,12 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         + (" + a frozen tail block per checkpoint slot)" if ssm else ")"),
         "",
     ]
+    lines = [wrapped for line in lines for wrapped in _wrap(line, width)]
     if len(runs) == 1:
         lines += _single(runs[0], ssm)
     else:
         lines += _table(runs, ssm, width)
+    table_end = len(lines)
     if ssm:
         used = sorted({p for r in runs for p in r["policy"].split("+") if r["policy"] != KV})
         legend = ", ".join(f"{CODES.get(p, p)} = {p}" for p in used)
@@ -297,7 +300,23 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         "evictable). When a request does not fit, the replay releases live requests early; "
         "it rejects a request only when it alone does not fit."
     )
-    return "\n".join(lines)
+    tail = [wrapped for line in lines[table_end:] for wrapped in _wrap(line, width)]
+    return "\n".join(lines[:table_end] + tail)
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    """Prose wrapped at `width` between words (a number is never split); continuation
+    lines indented two spaces more than the first."""
+    if len(line) <= width:
+        return [line]
+    lead = len(line) - len(line.lstrip(" "))
+    return textwrap.wrap(
+        line,
+        width,
+        subsequent_indent=" " * (lead + 2),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _if(condition: object, text: str, otherwise: str = "") -> str:
