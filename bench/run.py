@@ -540,7 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections", default="replay,evict,ckpt", help="comma-separated: replay, evict, ckpt"
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
-    p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        help=f"tokens per hash id (default: {TRACE_BLOCK_TOKENS} Mooncake, 16 Bailian)",
+    )
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--users", type=int, default=SyntheticParams().users, help="built-in workload")
     p.add_argument("--seed", type=int, default=0)
