@@ -412,7 +412,6 @@ def _table(runs: list[dict[str, Any]], ssm: bool, width: int) -> list[str]:
         Column("evicted", [fmt_count(r["evicted_blocks"]) for r in runs]),
         Column("peak pins", [f"{r['peak_pinned_blocks']:,}" for r in runs]),
         Column("rejected", [f"{r['rejected']:,}" for r in runs]),
-        Column("requests", [f"{r['requests']:,}" for r in runs]),
         Column("req/s", [f"{r['requests_per_s']:,.0f}" for r in runs]),
     ]
     return [*render_table(cols, width, keys)]
