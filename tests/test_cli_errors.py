@@ -122,6 +122,9 @@ def test_huge_output_length_with_a_decode_cap_runs(
     )  # fmt: skip
     assert code == 0, err
     assert json.loads(out)["runs"][0]["decode_tokens"] == 13
+    # Without the cap the request is refused up front, not replayed until memory runs out.
+    code, out, err = run(capsys, "replay", "--trace", str(trace), "--trace-block-tokens", "16")
+    assert_error(code, out, err, 2, "request 1 has 100,000,000,040 tokens", "--max-decode-tokens")
 
 
 def test_deeply_nested_json_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

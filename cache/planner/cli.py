@@ -196,7 +196,25 @@ def _load_workload(args: argparse.Namespace, progress: _Progress) -> tuple[Workl
     return workload, fmt
 
 
+MAX_REQUEST_TOKENS = 1_000_000_000
+"""Most tokens (prompt plus decoded output) one request may replay."""
+
+
+def _check_sizes(workload: Workload[Any], cap: int | None) -> None:
+    """Refuse a request too long to replay (before anything is built for it)."""
+    for i, (plen, olen) in enumerate(
+        zip(workload.prompt_lengths, workload.output_lengths, strict=True)
+    ):
+        total = plen + (olen if cap is None else min(olen, cap))
+        if total > MAX_REQUEST_TOKENS:
+            raise UsageError(
+                f"request {i + 1} has {total:,} tokens to replay (at most "
+                f"{MAX_REQUEST_TOKENS:,}); --max-decode-tokens caps the decoded output"
+            )
+
+
 def _count(workload: Workload[Any], args: argparse.Namespace, progress: _Progress) -> PrefixCount:
+    _check_sizes(workload, args.max_decode_tokens)
     update = progress.phase("counting", len(workload), "req")
     return count_prefix_hits(workload, args.block_size, args.max_decode_tokens, update)
 
