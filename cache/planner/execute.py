@@ -106,7 +106,10 @@ def run_all(
         raise ValueError(f"unknown executor {executor!r} (choose from {', '.join(EXECUTORS)})")
     if executor == "ray":
         return _run_ray(workload, runs, settings, on_done)
-    if jobs == 1 or len(runs) == 1:
+    import multiprocessing
+
+    forkable = "fork" in multiprocessing.get_all_start_methods()
+    if jobs == 1 or len(runs) == 1 or not forkable:  # no fork (Windows): one at a time
         results = []
         for i, run in enumerate(runs):
             label = f"{run.capacity:,} blocks {abbreviate(run.policy)}"
@@ -115,7 +118,6 @@ def run_all(
             if on_done is not None:
                 on_done(i)
         return results
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     _SHARED["workload"] = workload
