@@ -1,6 +1,6 @@
 """blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
 
-Three sections (``--sections replay,evict,ckpt``):
+Four sections (``--sections replay,evict,ckpt,events``):
 
 - **replay**: the built-in synthetic workload (the same as ``blocktrie
   replay``; or ``--trace`` a Mooncake / token jsonl) replayed through
@@ -14,6 +14,9 @@ Three sections (``--sections replay,evict,ckpt``):
 - **ckpt**: SSM checkpoint save and restore throughput (copies/s and bytes/s)
   for a realistic state (default 64 layers x 2 MiB), against a plain torch
   ``copy_`` of the same bytes in the same run.
+- **events**: KV events per stored block (hash, build, encode, publish on
+  loopback) as a ratio to the cache's own per-block cost in the same run
+  (`bench.events`; needs the ``events`` extra, skipped without it).
 """
 
 from __future__ import annotations
@@ -522,6 +525,18 @@ def bench_ckpt(args: argparse.Namespace, out: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------
 
 
+def bench_events_section(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench.events import bench_events, print_events
+
+    try:
+        result = bench_events()
+    except ImportError as exc:
+        console.print(f"events: skipped ({exc}); pip install 'blocktrie[events]'")
+        return
+    out["events"] = result
+    print_events(result, console.print)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -537,7 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--sections", default="replay,evict,ckpt", help="comma-separated: replay, evict, ckpt"
+        "--sections",
+        default="replay,evict,ckpt,events",
+        help="comma-separated: replay, evict, ckpt, events",
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
     p.add_argument(
@@ -595,7 +612,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     for name in sections:
         t0 = time.perf_counter()
-        {"replay": bench_replay, "evict": bench_evict, "ckpt": bench_ckpt}[name](args, out)
+        {
+            "replay": bench_replay,
+            "evict": bench_evict,
+            "ckpt": bench_ckpt,
+            "events": bench_events_section,
+        }[name](args, out)
         console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")
     if args.json:
         with open(args.json, "w") as f:

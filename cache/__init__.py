@@ -1,7 +1,8 @@
 """blocktrie's cache: a prefix cache of KV blocks and SSM checkpoints.
 
-Public API (DESIGN.md): `BlockTrie`, `CacheConfig`, `ManualCopies`,
-`DeviceCopies`, the error classes, events and `Sequence`.
+Public API (the docs site's contract page, docs/contract.md): `BlockTrie`,
+`CacheConfig`, `ManualCopies`, `DeviceCopies`, the error classes, events and
+`Sequence`; every name in `__all__` is documented in the API reference.
 """
 
 from __future__ import annotations

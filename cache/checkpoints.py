@@ -4,45 +4,112 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from cache.event_log import EventLog
+from cache.keys import block_identity
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
 from cache.node import Checkpoint, Node
 from cache.sequence import PinReceipt
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
-from spec.lifecycle import CHECKPOINT, CheckpointState
+from spec.errors import PinError
+from spec.lifecycle import (
+    CHECKPOINT,
+    RECEIPT,
+    CheckpointState,
+    CheckpointTrigger,
+    ReceiptTrigger,
+    implied_checkpoint_state,
+)
 
 _PUBLISHED = CheckpointState.PUBLISHED.value
+_RESERVED = CheckpointState.RESERVED.value
+
+
+def _no_settle(node: Node) -> None:
+    pass
 
 
 class CheckpointStore:
-    """Owns checkpoints: lifecycle states, pin counts, slots, frozen tails, LRU order.
+    """Owns checkpoints: lifecycle states, pin counts, receipts, slots, frozen tails, LRU.
 
-    Contract: a checkpoint's state changes only through `move`, i.e. the
-    `spec.lifecycle.CHECKPOINT` table, so releasing, replacing or evicting a
-    pinned one raises `IllegalTransition`; entering `published` (unpinned) adds
-    it to `lru`, leaving it removes it. Every pin is a `PinReceipt`, counted
-    on its checkpoint. `on_pins_changed(anchor)` lets the trie settle the
-    anchor node, whose lifecycle state depends on the pin count.
+    Contract:
+    - A checkpoint's state changes only through the `spec.lifecycle.CHECKPOINT`
+      table: commands (`reserve`, `publish`, `pin`, `release`, `replace`,
+      `evict`) fire their trigger, so releasing, replacing or evicting a pinned
+      one raises `IllegalTransition`; a pin count that drops is routed to the
+      state `implied_checkpoint_state` gives.
+    - Entering `published` (unpinned) adds it to `lru`; leaving it removes it.
+    - Every pin is a `PinReceipt` (`spec.lifecycle.RECEIPT`: issued, then
+      redeemed exactly once), counted on its checkpoint (invariant 2).
+    - `on_pins_changed(anchor)` lets the evictor settle the anchor node, whose
+      lifecycle state depends on the pin count.
+    It must not evict nodes or take KV blocks; it frees a frozen tail's block
+    reference only when it drops that tail's checkpoint.
     """
 
-    __slots__ = ("_kv", "_on_pins_changed", "_owner", "_serial", "_stats", "lru", "slots")
+    __slots__ = (
+        "_block_size",
+        "_events",
+        "_kv",
+        "_owner",
+        "_serial",
+        "_stats",
+        "lru",
+        "on_pins_changed",
+        "slots",
+    )
 
     def __init__(
         self,
         slots: CheckpointSlotPool,
         kv: KVBlockPool,
         stats: CacheStats,
-        on_pins_changed: Callable[[Node], None],
+        events: EventLog,
+        block_size: int,
         owner: object,
     ) -> None:
         self.slots = slots
         self._kv = kv
         self._stats = stats
-        self._on_pins_changed = on_pins_changed
+        self._events = events
+        self._block_size = block_size
         self._owner = owner
         self._serial = 0
         self.lru: LRUIndex[Checkpoint] = LRUIndex()
+        self.on_pins_changed: Callable[[Node], None] = _no_settle
+
+    # ------------------------------------------------------------ lookups
+
+    @staticmethod
+    def deepest_match(
+        root: Node,
+        path: list[Node],
+        tokens: list[int],
+        extra: tuple[Hashable, ...] | None,
+        max_depth: int,
+        block_size: int,
+    ) -> Checkpoint | None:
+        """The deepest matchable checkpoint on `path[:max_depth]` (or the root)
+        whose prefix equals `tokens`' and that leaves a token to compute ([R13])."""
+        last = len(tokens) - 1
+        for depth in range(max_depth, -1, -1):
+            anchor = path[depth - 1] if depth else root
+            ck = anchor.checkpoint
+            if ck is None or ck.step > last:
+                continue
+            if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # matchable
+                continue
+            if ck.tail:
+                start = depth * block_size
+                if tuple(tokens[start : ck.step]) != ck.tail:
+                    continue
+                if ck.tail_extra != block_identity(extra, depth):
+                    continue
+            return ck
+        return None
+
+    # ---------------------------------------------------------- lifecycle
 
     def reserve(
         self,
@@ -57,14 +124,21 @@ class CheckpointStore:
         """A new `reserved` checkpoint on `anchor` (which must have none)."""
         self._serial += 1
         ck = Checkpoint(
-            anchor, step, tail, tail_extra, slot, frozen_block, self._serial, tick,
-            CheckpointState.ABSENT.value,
-        )  # fmt: skip
-        self.move(ck, "reserve")
+            anchor=anchor,
+            step=step,
+            tail=tail,
+            tail_extra=tail_extra,
+            slot=slot,
+            frozen_block=frozen_block,
+            serial=self._serial,
+            tick=tick,
+            state=CheckpointState.ABSENT.value,
+        )
+        self.move(ck, CheckpointTrigger.RESERVE)
         anchor.checkpoint = ck
         return ck
 
-    def move(self, ck: Checkpoint, trigger: str) -> None:
+    def move(self, ck: Checkpoint, trigger: CheckpointTrigger) -> None:
         """Fire `trigger` on `ck` through the spec's table; keeps `lru` in step."""
         new = CHECKPOINT.step(trigger, ck.state, ck)
         if ck.state == _PUBLISHED:
@@ -73,34 +147,54 @@ class CheckpointStore:
         if new == _PUBLISHED:
             self.lru.add(ck)
 
+    def publish(self, ck: Checkpoint) -> None:
+        """A reserved checkpoint becomes matchable (and is announced, with events on)."""
+        self.move(ck, CheckpointTrigger.PUBLISH)
+        self._events.checkpoint_published(ck, self._block_size)
+
+    def _settle(self, ck: Checkpoint) -> None:
+        """Route `ck` to the state its pin count implies."""
+        implied = implied_checkpoint_state(
+            present=True, published=ck.state != _RESERVED, pins=ck.pins
+        )
+        for trigger in CHECKPOINT.route(ck.state, implied, ck):
+            self.move(ck, CheckpointTrigger(trigger))
+
     def pin(self, ck: Checkpoint) -> PinReceipt:
-        """One more pin on a matchable checkpoint; returns its receipt."""
-        self.move(ck, "pin")
+        """One more pin on a matchable checkpoint; returns its receipt ([R39])."""
+        self.move(ck, CheckpointTrigger.PIN)
         ck.pins += 1
         stats = self._stats
         stats.pins += 1
         if stats.pins > stats.peak_pins:
             stats.peak_pins = stats.pins
-        self._on_pins_changed(ck.anchor)
+        self.on_pins_changed(ck.anchor)
         return PinReceipt(self._owner, ck)
 
     def unpin(self, receipt: PinReceipt) -> None:
-        """Consume `receipt` (the caller checked it is unused and ours)."""
+        """Redeem `receipt` and drop its pin ([R40]); a redeemed receipt raises."""
         ck = receipt.checkpoint
-        self.move(ck, "unpin_last" if ck.pins == 1 else "unpin")
+        if ck.pins <= 0:
+            raise PinError(f"unpin: {ck!r} has no pin for {receipt!r}")
+        receipt.state = RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, receipt)
         ck.pins -= 1
-        receipt.used = True
         self._stats.pins -= 1
-        self._on_pins_changed(ck.anchor)
+        self._settle(ck)
+        self.on_pins_changed(ck.anchor)
 
-    def drop(self, ck: Checkpoint, trigger: str) -> int:
+    def drop(self, ck: Checkpoint, trigger: CheckpointTrigger) -> int:
         """Release / evict / replace an unpinned checkpoint; returns KV blocks freed."""
+        announced = ck.state == _PUBLISHED
         self.move(ck, trigger)
+        if announced:
+            self._events.checkpoint_dropped(ck)
         ck.anchor.checkpoint = None
         self.slots.give(ck.slot)
         if ck.frozen_block is not None and self._kv.decref(ck.frozen_block):
             return 1
         return 0
+
+    # ------------------------------------------------------------ eviction
 
     def evict_frozen_tails(self, blocks: int) -> int:
         """Evict unpinned checkpoints that hold a frozen tail, least recent first,
@@ -111,7 +205,7 @@ class CheckpointStore:
             if freed >= blocks:
                 break
             if ck.frozen_block is not None:
-                freed += self.drop(ck, "evict")
+                freed += self.drop(ck, CheckpointTrigger.EVICT)
                 released += 1
         self._stats.evicted_checkpoints += released
         return freed
@@ -121,11 +215,11 @@ class CheckpointStore:
         return [ck for ck in self.lru.unordered() if ck.frozen_block is not None]
 
     def evict_lru(self, count: int) -> int:
-        """Evict up to `count` unpinned checkpoints, least recent first; returns how many."""
+        """Evict up to `count` unpinned checkpoints, least recent first ([R24])."""
         done = 0
         lru = self.lru
         while done < count and lru:
-            self.drop(lru.oldest(), "evict")
+            self.drop(lru.oldest(), CheckpointTrigger.EVICT)
             done += 1
         self._stats.evicted_checkpoints += done
         return done

@@ -13,13 +13,24 @@ from spec.errors import ConfigError
 KeyHash = Callable[[Hashable], int]
 """Hash used to narrow a child lookup; exact key comparison always decides."""
 
+BLOCK_HASH_SCHEMES = ("xxh3", "vllm")
+"""`CacheConfig.block_hash` values (see `cache.block_hash`)."""
 
-def _positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
+
+MAX_POOL_ENTRIES = 2**31 - 1
+"""The most KV blocks (or checkpoint slots) one pool may have (ids are int32-sized)."""
+
+
+def _positive_int(
+    name: str, value: object, *, allow_zero: bool = False, limit: int | None = None
+) -> int:
     if type(value) is not int:
         raise ConfigError(f"CacheConfig.{name} must be an int, got {type(value).__name__}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"CacheConfig.{name} must be {bound}, got {value}")
+    if limit is not None and value > limit:
+        raise ConfigError(f"CacheConfig.{name} must be <= {limit}, got {value}")
     return value
 
 
@@ -31,20 +42,37 @@ def _shape(name: str, value: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Sizes, layouts and devices of a `BlockTrie` (see DESIGN.md, "Public API").
+    """Sizes, layouts and devices of a `BlockTrie` (the contract page, "Public API").
 
-    - `block_size`: tokens per KV block; only full blocks enter the trie.
-    - `num_blocks`: KV blocks in the pool.
-    - `kv_block_shape`: per-block storage shape, or None for an ids-only pool.
-    - `num_checkpoint_slots`: SSM checkpoint slots; 0 for attention-only models.
-    - `state_shapes`: per named SSM state, the shape of one sequence's state.
-      Empty with slots > 0 gives an ids-only state pool (capacity planning).
+    Frozen; validated once when constructed: a field that breaks its rule raises
+    `ConfigError` (a `ValueError`) naming the field, and no config is made.
+
+    - `block_size`: tokens per KV block (an int > 0); only full blocks enter the trie.
+    - `num_blocks`: KV blocks in the pool (an int > 0).
+    - `kv_block_shape`: per-block storage shape (a tuple of ints > 0), or None for
+      an ids-only pool.
+    - `kv_dtype`: the KV pool's `torch.dtype` (default float16).
+    - `num_checkpoint_slots`: SSM checkpoint slots (an int >= 0); 0 for
+      attention-only models (then `ssm` is False and `save` / `restore` / `pin`
+      raise `CheckpointError`).
+    - `state_shapes`: per named SSM state (a non-empty str), the shape of one
+      sequence's state (a tuple of ints > 0). Empty with slots > 0 gives an
+      ids-only state pool (capacity planning).
+    - `state_dtype`: the checkpoint pool's `torch.dtype` (default float32); runtime
+      state of another dtype is converted by the copies.
     - `device`: where the pools live ("cpu", "cuda", "cuda:1", a torch.device).
-    - `enable_events`: emit BlockStored / BlockRemoved / AllBlocksCleared. They
-      accumulate until `BlockTrie.drain_events()`: an engine that never drains
-      should turn them off.
+    - `enable_events` (a bool, default False, as in vLLM): emit BlockStored /
+      BlockRemoved / AllBlocksCleared (and checkpoint events in their own group).
+      They accumulate until `BlockTrie.drain_events()`; hand them to a
+      `cache.kv_publisher.KVEventPublisher` once per scheduler step.
+    - `hash_seed` (an int in [0, 2**64)) and `block_hash` ("xxh3", the default,
+      or "vllm"): the stable chained block hash events carry
+      (`cache.block_hash`; needs the `events` extra when events are on).
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
+
+    Limits: `num_blocks` and `num_checkpoint_slots` at most `MAX_POOL_ENTRIES`;
+    a CUDA device must exist when asked for.
     """
 
     block_size: int
@@ -55,13 +83,20 @@ class CacheConfig:
     state_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     state_dtype: torch.dtype = torch.float32
     device: str | torch.device = "cpu"
-    enable_events: bool = True
+    enable_events: bool = False
     key_hash: KeyHash | None = None
+    hash_seed: int = 0
+    block_hash: str = "xxh3"
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
-        _positive_int("num_blocks", self.num_blocks)
-        _positive_int("num_checkpoint_slots", self.num_checkpoint_slots, allow_zero=True)
+        _positive_int("num_blocks", self.num_blocks, limit=MAX_POOL_ENTRIES)
+        _positive_int(
+            "num_checkpoint_slots",
+            self.num_checkpoint_slots,
+            allow_zero=True,
+            limit=MAX_POOL_ENTRIES,
+        )
         if self.kv_block_shape is not None:
             object.__setattr__(
                 self, "kv_block_shape", _shape("kv_block_shape", self.kv_block_shape)
@@ -74,17 +109,48 @@ class CacheConfig:
                 raise ConfigError(f"CacheConfig.state_shapes: state name {name!r} is not a str")
             shapes[name] = _shape(f"state_shapes[{name!r}]", shape)
         object.__setattr__(self, "state_shapes", shapes)
+        pools: list[tuple[str, int, tuple[int, ...] | None]] = [
+            ("kv_block_shape", self.num_blocks, self.kv_block_shape)
+        ]
+        pools += [(f"state_shapes[{n!r}]", self.num_checkpoint_slots, s) for n, s in shapes.items()]
+        for field_name, entries, pool_shape in pools:
+            if pool_shape is not None and entries * _numel(pool_shape) >= 2**63:
+                raise ConfigError(
+                    f"CacheConfig.{field_name}: {entries} x {pool_shape} elements do not fit "
+                    "in one tensor"
+                )
         for name in ("kv_dtype", "state_dtype"):
             if not isinstance(getattr(self, name), torch.dtype):
                 raise ConfigError(f"CacheConfig.{name} must be a torch.dtype")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ConfigError(
                 f"CacheConfig.device {self.device!r} is not a device: {exc}"
             ) from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"CacheConfig.device {self.device!r}: CUDA is not available")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"CacheConfig.device {self.device!r}: only "
+                    f"{torch.cuda.device_count()} CUDA device(s)"
+                )
         if self.key_hash is not None and not callable(self.key_hash):
             raise ConfigError("CacheConfig.key_hash must be callable or None")
+        if type(self.enable_events) is not bool:
+            raise ConfigError(
+                f"CacheConfig.enable_events must be a bool, got {self.enable_events!r}"
+            )
+        if type(self.hash_seed) is not int or not 0 <= self.hash_seed < 2**64:
+            raise ConfigError(
+                f"CacheConfig.hash_seed must be an int in [0, 2**64), got {self.hash_seed!r}"
+            )
+        if self.block_hash not in BLOCK_HASH_SCHEMES:
+            raise ConfigError(
+                f"CacheConfig.block_hash must be one of {BLOCK_HASH_SCHEMES}, "
+                f"got {self.block_hash!r}"
+            )
 
     @property
     def ssm(self) -> bool:

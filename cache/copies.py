@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from spec.errors import CacheError, InvalidArgument, InvalidType
+from spec.lifecycle import COPY, CopyState, CopyTrigger
+
+_QUEUED = CopyState.QUEUED.value
 
 if TYPE_CHECKING:
     from cache.sequence import PinReceipt
@@ -34,21 +37,23 @@ Resource = tuple[str, int]
 class Copy:
     """One queued copy. `kind` is "save" or "restore"; `step` the checkpoint's step.
 
-    `done` says whether its data has moved; `wait()` makes the caller's work
-    wait for it (completes it under `ManualCopies`, makes the current CUDA
-    stream wait on its event, returns at once on CPU).
+    `state` follows `spec.lifecycle.COPY`: `queued`, then `finished` (its data
+    moved) or `failed`, then `reaped` once the trie released its pins and
+    block references. `done` says whether it is no longer queued; `wait()`
+    makes the caller's work wait for it (completes it under `ManualCopies`,
+    makes the current CUDA stream wait on its event, returns at once on CPU).
     """
 
     __slots__ = (
         "_engine",
         "_event",
-        "_finished",
         "blocks",
         "kind",
         "moves",
         "receipts",
         "resources",
         "serial",
+        "state",
         "step",
     )
 
@@ -60,6 +65,8 @@ class Copy:
         resources: Iterable[Resource],
         serial: int,
     ) -> None:
+        """A copy of `moves` (source, destination) touching `resources`; built by
+        the trie (`cache.transfers`), not by users."""
         self.kind = kind
         self.step = step
         self.moves = moves
@@ -67,16 +74,20 @@ class Copy:
         self.serial = serial
         self.receipts: list[PinReceipt] = []
         self.blocks: list[int] = []
-        self._finished = False
+        self.state: str = _QUEUED
         self._event: torch.cuda.Event | None = None
         self._engine: CopyEngine | None = None
 
     @property
     def done(self) -> bool:
-        """Whether the copy's data has moved."""
-        if not self._finished and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
-            self._finished = True
-        return self._finished
+        """Whether the copy is no longer queued (its data moved, or it failed)."""
+        if self.state == _QUEUED and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
+            self.fire(CopyTrigger.FINISH)
+        return self.state != _QUEUED
+
+    def fire(self, trigger: CopyTrigger) -> None:
+        """Move to the next state through the spec's `COPY` table (illegal ones raise)."""
+        self.state = COPY.step(trigger, self.state, self)
 
     def wait(self) -> None:
         """Order the caller's later work after this copy (see class docstring)."""
@@ -84,9 +95,14 @@ class Copy:
             self._engine.wait(self)
 
     def run(self) -> None:
-        """Move the data now, on the current stream."""
-        for src, dst in self.moves:
-            dst.copy_(src, non_blocking=True)
+        """Move the data now, on the current stream, outside autograd.
+
+        Copies never record an autograd graph: a runtime state that requires
+        grad is read as plain data, and the pools never join a graph.
+        """
+        with torch.no_grad():
+            for src, dst in self.moves:
+                dst.copy_(src, non_blocking=True)
 
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
@@ -115,7 +131,7 @@ class CopyEngine:
         """Subclass hook: prepare for copies on `device`."""
 
     def queue(self, copy: Copy) -> None:
-        """Start `copy` (it may finish at once)."""
+        """Start `copy` (it may finish at once). Called by the trie, not by users."""
         copy._engine = self
         self._inflight.append(copy)
         self._start(copy)
@@ -127,7 +143,8 @@ class CopyEngine:
         """Make the caller's later work wait for `copy`."""
 
     def collect(self) -> list[Copy]:
-        """Remove and return the finished copies, oldest first."""
+        """Remove and return the copies no longer queued, oldest first (the trie's
+        `poll()` calls this, then reaps them)."""
         finished: list[Copy] = []
         pending: list[Copy] = []
         for copy in self._inflight:
@@ -138,7 +155,8 @@ class CopyEngine:
         return finished
 
     def forget(self, copy: Copy) -> None:
-        """Stop tracking a copy the trie reaped itself (it finished when queued)."""
+        """Stop tracking a copy the trie reaped itself (it finished when queued, or
+        failed while being queued). Called by the trie, not by users."""
         if self._inflight and self._inflight[-1] is copy:
             self._inflight.pop()
         elif copy in self._inflight:
@@ -162,7 +180,7 @@ class DeviceCopies(CopyEngine):
         stream = self._stream
         if stream is None:
             copy.run()
-            copy._finished = True
+            copy.fire(CopyTrigger.FINISH)
             return
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
@@ -195,24 +213,30 @@ class ManualCopies(CopyEngine):
         pass
 
     def pending(self) -> list[Copy]:
-        """Queued copies not yet completed, oldest first."""
-        return [c for c in self._inflight if not c._finished]
+        """Queued copies not yet completed (`list[Copy]`), oldest first."""
+        return [c for c in self._inflight if c.state == _QUEUED]
 
     def complete(self, copy: Copy) -> None:
-        """Move `copy`'s data now (after the earlier pending copies it depends on)."""
+        """Move `copy`'s data now, after the earlier pending copies that share a
+        block or slot with it, transitively ([R36]). Completing releases no pin:
+        the trie's `poll()` reaps the copy.
+
+        Raises `InvalidType` for a non-copy, `InvalidArgument` for a copy not
+        queued on this engine ([R3]).
+        """
         if not isinstance(copy, Copy):
             raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:
             raise InvalidArgument(f"{copy!r} was not queued on this ManualCopies")
-        if copy._finished:
+        if copy.state != _QUEUED:
             return
         for earlier in self._inflight:
             if earlier is copy:
                 break
-            if not earlier._finished and earlier.resources & copy.resources:
+            if earlier.state == _QUEUED and earlier.resources & copy.resources:
                 self.complete(earlier)
         copy.run()
-        copy._finished = True
+        copy.fire(CopyTrigger.FINISH)
 
     def complete_all(self) -> None:
         """Complete every pending copy, oldest first."""
@@ -220,4 +244,5 @@ class ManualCopies(CopyEngine):
             self.complete(copy)
 
     def wait(self, copy: Copy) -> None:
+        """Complete `copy` now, with the earlier copies it depends on ([R36])."""
         self.complete(copy)

@@ -14,9 +14,9 @@ class Node:
     `key` is what the parent's `children` dict is keyed by: the block's token
     tuple, or `(tokens, extra)` when the block has an extra identity (wrapped
     by `HashedKey` when a test injects a key hash). `state` is the stored
-    lifecycle state (`spec.lifecycle.NodeState` values; "root" for roots).
+    lifecycle state (`spec.lifecycle.NodeState` values; `ROOT` for roots).
     `tick`/`serial` order eviction; `block_hash` is the chained hash that
-    events carry.
+    events carry. Built by keyword only.
     """
 
     __slots__ = (
@@ -37,6 +37,7 @@ class Node:
 
     def __init__(
         self,
+        *,
         parent: Node | None,
         key: Hashable,
         tokens: tuple[int, ...],
@@ -80,6 +81,7 @@ class Checkpoint:
 
     __slots__ = (
         "anchor",
+        "block_hash",
         "frozen_block",
         "pins",
         "serial",
@@ -93,6 +95,7 @@ class Checkpoint:
 
     def __init__(
         self,
+        *,
         anchor: Node,
         step: int,
         tail: tuple[int, ...],
@@ -113,6 +116,7 @@ class Checkpoint:
         self.tick = tick
         self.state = state
         self.pins = 0
+        self.block_hash = 0  # set when published with events on
 
     def __repr__(self) -> str:
         return (

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from spec.lifecycle import ReceiptState
+
 if TYPE_CHECKING:
     from cache.node import Checkpoint, Node
 
@@ -28,14 +30,23 @@ class RestorePoint:
 
 
 class PinReceipt:
-    """A single-use receipt for one pin on one checkpoint (`BlockTrie.unpin`)."""
+    """A single-use receipt for one pin on one checkpoint (`BlockTrie.unpin`).
 
-    __slots__ = ("checkpoint", "owner", "used")
+    `state` follows `spec.lifecycle.RECEIPT`: `issued` while its pin is
+    counted, `redeemed` once dropped (terminal).
+    """
+
+    __slots__ = ("checkpoint", "owner", "state")
 
     def __init__(self, owner: object, checkpoint: Checkpoint) -> None:
         self.owner = owner
         self.checkpoint = checkpoint
-        self.used = False
+        self.state: str = ReceiptState.ISSUED.value
+
+    @property
+    def used(self) -> bool:
+        """Whether the receipt was redeemed (its pin dropped)."""
+        return self.state == ReceiptState.REDEEMED.value
 
     @property
     def step(self) -> int:
@@ -64,6 +75,7 @@ class Sequence:
         "blocks",
         "branch_step",
         "extra",
+        "keys",
         "live",
         "match_receipt",
         "namespace",
@@ -93,6 +105,7 @@ class Sequence:
         self.namespace = namespace
         self.extra = extra
         self.blocks: list[int] = []
+        self.keys: list[Hashable] = []  # block keys built by match, extended by commit
         self.path: list[Node] = []
         self.num_cached_tokens = 0
         self.num_committed_tokens = 0

@@ -77,9 +77,10 @@ class CheckpointSlotPool:
         """Validate an engine's runtime state for one sequence; returns it as a dict.
 
         It must map exactly the configured state names to tensors of the
-        configured shapes, on a real device (dtype and device may differ from
-        the pool's: copies convert). Tensors a restore writes (`written`) must
-        not require grad. With no configured states, None or {} is accepted.
+        configured shapes, dense (strided), on a real device (dtype and device
+        may differ from the pool's: copies convert). Tensors a restore writes
+        (`written`) must not require grad nor overlap themselves (an
+        `expand()`ed view). With no configured states, None or {} is accepted.
         """
         if runtime_state is None and not self.shapes:
             return {}
@@ -105,6 +106,19 @@ class CheckpointSlotPool:
                 )
             if tensor.device.type == "meta":
                 raise InvalidArgument(f"runtime_state[{name!r}] is on the meta device (no data)")
+            if tensor.layout != torch.strided:
+                raise InvalidArgument(
+                    f"runtime_state[{name!r}] must be a dense (strided) tensor, "
+                    f"got layout {tensor.layout}"
+                )
+            if written and any(
+                stride == 0 and size > 1
+                for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+            ):
+                raise InvalidArgument(
+                    f"runtime_state[{name!r}] has overlapping memory (an expand()ed view); "
+                    "a restore cannot write into it"
+                )
             if written and tensor.requires_grad:
                 raise InvalidArgument(
                     f"runtime_state[{name!r}] requires grad; a restore cannot write into it"

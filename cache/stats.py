@@ -9,7 +9,8 @@ class CacheStats:
     """Running counters (see `spec.snapshot.STAT_COUNTERS` for each meaning).
 
     `hit_rate` = hit_tokens / query_tokens. `peak_pins` is the most checkpoint
-    pins outstanding at once; `pins` the number outstanding now.
+    pins outstanding at once (a high-water mark `abort` never rolls back,
+    [R42]); `pins` the number outstanding now.
     """
 
     __slots__ = (*STAT_COUNTERS, "peak_pins", "pins")

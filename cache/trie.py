@@ -1,120 +1,181 @@
-"""`BlockTrie`: the prefix cache. See DESIGN.md for the contract and
-docs/semantics.md for every rule the reference model (`spec.model`) shares.
+"""`BlockTrie`: the prefix cache's public operations, and nothing else.
 
-Structure: per-namespace root nodes; each node owns one reference to one KV
-block; children are a dict keyed by the block's exact key (token tuple, plus
-extra identity), so Python's hash narrows and equality decides. Node and
-checkpoint states change only through the `spec.lifecycle` tables (`_settle`,
-`CheckpointStore.move`), and entering or leaving `evictable` / unpinned `published` is what
-adds or removes an object from its LRU index.
+Read this module as the table of contents of the cache: each public method
+validates its input ([R1]-[R5]), plans, takes resources, then mutates
+([R6]); the resources and their rules live in their own modules:
 
-Every public operation validates and plans first, then takes resources (the
-pools' `take` is the only place an allocation can fail), then mutates; so an
-operation completes or raises with nothing changed. Eviction needed to make
-room (KV leaves, frozen tails, a checkpoint for a slot) is itself a complete
-operation and happens before the takes, so an injected failure at a take
-leaves those evictions done (and everything else as it was).
+- `cache.kv_pool` / `cache.state_pool`: KV blocks and checkpoint slots, counts
+  and free lists;
+- `cache.eviction.Evictor`: node lifecycle states, the eviction index, making
+  room;
+- `cache.checkpoints.CheckpointStore`: checkpoint lifecycle, pins, receipts;
+- `cache.transfers.Transfers`: save / restore copies until they are reaped;
+- `cache.keys`: block keys and identities; `cache.event_log`: events;
+- `cache.inspection`: `snapshot()` and `check()`.
+
+The numbers in brackets cite the rules of the operational semantics
+(docs/semantics.md), which the reference model `spec.model` cites too.
+
+Single-threaded ([R45]): one engine scheduler owns a trie. Calls from several
+threads at once are not supported.
+
+This module is longer than the ~400 lines the others keep to because each of
+its public operations carries its whole contract (takes, returns, raises,
+keeps) as a docstring; the mechanics live in the modules above.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Mapping
-from collections.abc import Sequence as SequenceABC
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from cache import inspection
 from cache.checkpoints import CheckpointStore
 from cache.config import CacheConfig
-from cache.copies import Copy, CopyEngine, DeviceCopies, Resource
-from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, replay
+from cache.copies import Copy, CopyEngine, DeviceCopies
+from cache.event_log import EventLog
+from cache.events import Event
+from cache.eviction import Evictor
 from cache.faults import Faults
+from cache.keys import block_identity, key_tokens, request_keys
 from cache.kv_pool import KVBlockPool
-from cache.lru import LRUIndex
-from cache.node import Checkpoint, HashedKey, Node
+from cache.node import Checkpoint, Node
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
-from cache.validation import extra_tuple, int_arg, token_list
-from spec import invariants
+from cache.transfers import Transfers
+from cache.validation import TokenIds, extra_tuple, int_arg, token_list
 from spec.errors import (
     CacheError,
     CheckpointError,
+    ConcurrentUse,
+    ConfigError,
     InvalidArgument,
     InvalidType,
-    InvariantViolation,
-    OutOfBlocks,
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, NODE, NodeState, implied_node_state
-from spec.snapshot import (
-    CheckpointView,
-    CopyView,
-    NodeView,
-    SequenceView,
-    Snapshot,
-)
+from spec.lifecycle import CHECKPOINT, CheckpointTrigger, NodeState
+from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
-_ROOT_STATE = "root"
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _exclusive(
+    method: Callable[Concatenate[BlockTrie, _P], _T],
+) -> Callable[Concatenate[BlockTrie, _P], _T]:
+    """Refuse to enter an operation while another one is running ([R45]).
+
+    The cache is single-threaded; two threads inside it at once would corrupt
+    it. This flag costs one attribute test per call and turns that into a
+    `ConcurrentUse` error for the second caller, before it changes anything.
+    """
+
+    def guarded(self: BlockTrie, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if self._busy:
+            raise ConcurrentUse(
+                f"{method.__name__}: this cache is already running an operation in another "
+                "thread; a BlockTrie is single-threaded (one scheduler owns it)"
+            )
+        self._busy = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy = False
+
+    functools.update_wrapper(guarded, method)
+    return guarded
 
 
 class BlockTrie:
-    """A prefix cache of KV blocks and SSM checkpoints (DESIGN.md, "Public API")."""
+    """A prefix cache of KV blocks and SSM checkpoints (the contract page, "Public API").
+
+    Every operation taking a sequence raises `InvalidType` when it is not a
+    `Sequence` and `SequenceNotLive` when this trie does not hold it as live
+    ([R3]); malformed counts raise `InvalidType` / `InvalidArgument` ([R1]).
+    A failed operation changes nothing ([R6]).
+    """
 
     def __init__(self, config: CacheConfig, copies: CopyEngine | None = None) -> None:
+        """Build the pools described by `config` and bind the copy engine.
+
+        `copies` defaults to `DeviceCopies()` (copies run on the pools' device
+        as queued); pass `ManualCopies()` to decide in tests when copies
+        finish. Raises `InvalidType` for arguments of the wrong type,
+        `ConfigError` when the pools cannot be allocated, and `CacheError`
+        when the engine is already bound to another trie.
+        """
         if not isinstance(config, CacheConfig):
             raise InvalidType(f"config must be a CacheConfig, got {type(config).__name__}")
         if copies is not None and not isinstance(copies, CopyEngine):
             raise InvalidType(f"copies must be a CopyEngine, got {type(copies).__name__}")
         self.config = config
+        """The configuration this trie was built from (frozen)."""
         self.device = torch.device(config.device)
+        """Where the pools live."""
         self._block_size = config.block_size
         self._ssm = config.ssm
         self._key_hash = config.key_hash
         self.faults = Faults()
+        """Allocation-point fault injection, for tests of transactional behaviour."""
         self.stats = CacheStats()
-        self._kv = KVBlockPool(
-            config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
+        """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
+        try:
+            self._kv = KVBlockPool(
+                config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
+            )
+            self._slots = CheckpointSlotPool(
+                config.num_checkpoint_slots,
+                config.state_shapes,
+                config.state_dtype,
+                self.device,
+                self.faults,
+            )
+        except (MemoryError, RuntimeError) as exc:
+            raise ConfigError(
+                f"cannot allocate the pools of {config.num_blocks} KV blocks "
+                f"({config.kv_bytes_per_block()} B each) and {config.num_checkpoint_slots} "
+                f"checkpoint slots ({config.state_bytes_per_slot()} B each) on "
+                f"{self.device}: {exc}"
+            ) from None
+        engine: CopyEngine = copies if copies is not None else DeviceCopies()
+        engine.bind(self.device)
+        self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
+        self._chain = self._events.chain
+        self._checkpoints = CheckpointStore(
+            self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
-        self._slots = CheckpointSlotPool(
-            config.num_checkpoint_slots,
-            config.state_shapes,
-            config.state_dtype,
-            self.device,
-            self.faults,
+        self._evictor = Evictor(self._kv, self._checkpoints, self.stats, self._events)
+        self._checkpoints.on_pins_changed = self._evictor.settle
+        self._transfers = Transfers(
+            engine, self._kv, self._slots, self._checkpoints, self._evictor, self.stats
         )
-        self.copies: CopyEngine = copies if copies is not None else DeviceCopies()
-        self.copies.bind(self.device)
         self._roots: dict[str, Node] = {}
-        # block id -> the attached node that owns it, to settle it when a count drops.
-        self._owner: list[Node | None] = [None] * config.num_blocks
-        self._evictable: LRUIndex[Node] = LRUIndex()
-        self._checkpoints = CheckpointStore(self._slots, self._kv, self.stats, self._settle, self)
         self._clock = 0
         self._node_serial = 0
         self._seq_serial = 0
-        self._copy_serial = 0
         self._live: dict[int, Sequence] = {}
-        self._inflight: dict[int, Copy] = {}
         self._explicit: dict[int, PinReceipt] = {}
-        self._num_cached = 0
-        self._events_on = config.enable_events
-        self._events: list[Event] = []
-        self._drained_view: set[int] = set()
+        self._busy = False
 
     # ------------------------------------------------------------------ counts
 
     @property
     def num_free_blocks(self) -> int:
-        """KV blocks in the free list."""
+        """KV blocks in the free list ([R44])."""
         return self._kv.num_free
 
     @property
     def num_cached_blocks(self) -> int:
-        """KV blocks owned by attached trie nodes."""
-        return self._num_cached
+        """KV blocks owned by attached trie nodes ([R44])."""
+        return self._evictor.num_cached
 
     @property
     def num_free_checkpoint_slots(self) -> int:
@@ -124,7 +185,7 @@ class BlockTrie:
     @property
     def num_evictable_blocks(self) -> int:
         """Nodes in the eviction index (evictable leaves right now)."""
-        return len(self._evictable)
+        return len(self._evictor.index)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -137,28 +198,37 @@ class BlockTrie:
         return dict(self._slots.tensors)
 
     @property
+    def copies(self) -> CopyEngine:
+        """The copy engine that runs this trie's save and restore copies."""
+        return self._transfers.engine
+
+    @copies.setter
+    def copies(self, engine: CopyEngine) -> None:
+        if not isinstance(engine, CopyEngine):
+            raise InvalidType(f"copies must be a CopyEngine, got {type(engine).__name__}")
+        self._transfers.engine = engine
+
+    @property
     def clock(self) -> int:
-        """The logical clock (ticks on commit, release, and copy-queuing save/restore)."""
+        """The logical clock ([R7]: ticks on commit, release, and copy-queuing save/restore)."""
         return self._clock
 
-    # ------------------------------------------------------------- validation
+    # ---------------------------------------------------------------- helpers
 
     def _check_live(self, seq: object) -> Sequence:
+        """`seq` itself, if this trie's registry holds it as live ([R3])."""
         if not isinstance(seq, Sequence):
             raise InvalidType(f"expected a Sequence from this cache, got {type(seq).__name__}")
         if seq.owner is not self:
             raise SequenceNotLive(f"{seq!r} belongs to another cache")
-        if not seq.live:
-            raise SequenceNotLive(f"{seq!r} was already released or aborted")
+        if self._live.get(seq.serial) is not seq:
+            raise SequenceNotLive(
+                f"{seq!r} is not live in this cache (released, aborted, or not made by match)"
+            )
         return seq
 
-    def _key(self, tokens: tuple[int, ...], extra: Hashable) -> Hashable:
-        key: Hashable = tokens if extra is None else (tokens, extra)
-        if self._key_hash is not None:
-            key = HashedKey(key, self._key_hash(key))
-        return key
-
     def _root(self, namespace: str) -> Node:
+        """The namespace's root, created on first use ([R11])."""
         root = self._roots.get(namespace)
         if root is None:
             root = Node(
@@ -171,131 +241,64 @@ class BlockTrie:
                 depth=0,
                 serial=-1 - len(self._roots),
                 tick=0,
-                block_hash=hash(("blocktrie-namespace", namespace)),
-                state=_ROOT_STATE,
+                block_hash=self._events.root_hash(namespace),
+                state=NodeState.ROOT.value,
             )
             self._roots[namespace] = root
         return root
 
-    # ---------------------------------------------------------------- lookups
-
-    def _walk(
-        self, root: Node | None, toks: list[int], extra: tuple[Hashable, ...] | None, limit: int
-    ) -> list[Node]:
-        """Nodes of the longest cached path of full blocks, at most `limit` blocks."""
-        path: list[Node] = []
-        if root is None:
-            return path
-        size = self._block_size
-        node = root
-        plain = extra is None and self._key_hash is None
-        for i in range(limit):
-            tokens = tuple(toks[i * size : (i + 1) * size])
-            if plain:
-                child = node.children.get(tokens)
-            else:
-                e = extra[i] if extra is not None and i < len(extra) else None
-                child = node.children.get(self._key(tokens, e))
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        return path
-
-    @staticmethod
-    def _block_extra(extra: tuple[Hashable, ...] | None, index: int) -> Hashable:
-        return extra[index] if extra is not None and index < len(extra) else None
-
-    def _matching_checkpoint(
-        self,
-        root: Node | None,
-        path: list[Node],
-        toks: list[int],
-        extra: tuple[Hashable, ...] | None,
-        max_depth: int,
-    ) -> Checkpoint | None:
-        """The deepest matchable checkpoint on `path[:max_depth]` (or the root) for `toks`."""
-        if root is None:
-            return None
-        size = self._block_size
-        last = len(toks) - 1
-        for depth in range(max_depth, -1, -1):
-            anchor = path[depth - 1] if depth else root
-            ck = anchor.checkpoint
-            if ck is None or ck.step > last:
-                continue
-            if not CHECKPOINT.can("pin", ck.state):  # matchable: published or pinned
-                continue
-            if ck.tail:
-                start = depth * size
-                if tuple(toks[start : ck.step]) != ck.tail:
-                    continue
-                if ck.tail_extra != self._block_extra(extra, depth):
-                    continue
-            return ck
-        return None
-
-    # ------------------------------------------------------------ lifecycles
-
-    def _settle(self, node: Node) -> None:
-        """Move `node` to the state its facts imply, through the spec's table."""
-        if node.block < 0:
-            return
-        ck = node.checkpoint
-        implied = implied_node_state(
-            attached=True,
-            leaf=not node.children,
-            block_refs=self._kv.refs[node.block],
-            pins=ck.pins if ck is not None else 0,
-        )
-        state = node.state
-        if implied == state:
-            return
-        for trigger in NODE.route(state, implied, node):
-            state = NODE.step(trigger, state, node)
-        if node.state == _EVICTABLE:
-            self._evictable.remove(node)
-        node.state = state
-        if state == _EVICTABLE:
-            self._evictable.add(node)
-
     # ----------------------------------------------------------------- match
 
-    def match(
-        self, tokens: SequenceABC[int], namespace: str = "", extra: object = None
-    ) -> Sequence:
-        """Look up the longest usable cached prefix; takes refs (and a pin) at once.
+    @_exclusive
+    def match(self, tokens: TokenIds, namespace: str = "", extra: object = None) -> Sequence:
+        """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
 
-        Leaves at least one token to compute. See docs/semantics.md, "match".
+        Returns a live `Sequence` whose `num_cached_tokens` is the hit ([R13]):
+        attention-only, the longest cached full-block prefix; SSM, the step of
+        the deepest published checkpoint whose prefix equals the request's. At
+        least one token is left to compute. Raises `InvalidType` /
+        `InvalidArgument` on malformed input ([R1]), changing nothing.
+        Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly (invariant 8).
         """
         toks = token_list(tokens)
         if not toks:
-            raise InvalidArgument("match needs at least one token")
+            raise InvalidArgument("match: tokens must hold at least one token")
         if not isinstance(namespace, str):
             raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
         ext = extra_tuple(extra)
         size = self._block_size
+        keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
         root = self._roots.get(namespace)
-        path = self._walk(root, toks, ext, len(toks) // size)
+        path: list[Node] = []
+        if root is not None:  # [R12]: walk while a child with the exact key exists
+            node = root
+            for key in keys:
+                child = node.children.get(key)
+                if child is None:
+                    break
+                path.append(child)
+                node = child
         usable = min(len(path), (len(toks) - 1) // size)
         ck: Checkpoint | None = None
-        if self._ssm:
-            ck = self._matching_checkpoint(root, path, toks, ext, usable)
-            depth = ck.step // size if ck is not None else 0
-            hit = ck.step if ck is not None else 0
-        else:
+        if not self._ssm:
             depth = usable
             hit = usable * size
+        else:
+            if root is not None:
+                ck = CheckpointStore.deepest_match(root, path, toks, ext, usable, size)
+            depth = ck.step // size if ck is not None else 0
+            hit = ck.step if ck is not None else 0
 
         self._seq_serial += 1
         seq = Sequence(self, self._seq_serial, toks, namespace, ext)
+        seq.keys = keys
         seq.branch_step = len(path) * size
         held = path[:depth]
         kv = self._kv
         for node in held:
             kv.incref(node.block)
             if node.state == _EVICTABLE:
-                self._settle(node)
+                self._evictor.settle(node)
         seq.path = held
         seq.blocks = [node.block for node in held]
         if ck is not None:
@@ -305,7 +308,7 @@ class BlockTrie:
         seq.num_cached_tokens = hit
         seq.num_committed_tokens = hit
         seq.query_tokens = len(toks)
-        stats = self.stats
+        stats = self.stats  # [R14]
         stats.queries += 1
         stats.query_tokens += len(toks)
         stats.hit_tokens += hit
@@ -314,15 +317,19 @@ class BlockTrie:
 
     # ------------------------------------------------------- append/allocate
 
-    def append(self, seq: Sequence, tokens: SequenceABC[int]) -> None:
-        """Extend `seq.tokens` (decode)."""
+    @_exclusive
+    def append(self, seq: Sequence, tokens: TokenIds) -> None:
+        """Extend `seq.tokens` (decode) ([R4]). Raises `SequenceNotLive` for a dead sequence."""
         self._check_live(seq)
         seq.token_list.extend(token_list(tokens))
 
+    @_exclusive
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Make the block table cover `tokens[:num_tokens]`, evicting LRU leaves if short.
+        """Make the block table cover `tokens[:num_tokens]` ([R15]), evicting LRU
+        leaves and then unpinned frozen tails if short ([R17]).
 
-        Raises `OutOfBlocks` (nothing changed) when even eviction cannot make room.
+        Raises `OutOfBlocks` when even eviction cannot make room, having
+        evicted nothing ([R16]). Keeps invariants 1, 3 and 9.
         """
         self._check_live(seq)
         n = int_arg("num_tokens", num_tokens)
@@ -333,78 +340,20 @@ class BlockTrie:
         need = -(-n // self._block_size) - len(seq.blocks)
         if need <= 0:
             return
-        self._make_room(need)
+        self._evictor.make_room(need)
         seq.blocks.extend(self._kv.take(need))
-
-    def _reclaimable(self, limit: int, doomed: set[int] | None = None) -> int:
-        """KV blocks that evictions could free, counted up to `limit` (no change made).
-
-        With `doomed`, the serials of the nodes counted are added to it.
-        """
-        refs = self._kv.refs
-        count = 0
-        gone: dict[int, int] = {}
-        for leaf in self._evictable.unordered():  # any order counts the same cascade
-            node: Node | None = leaf
-            while node is not None and count < limit:
-                count += 1
-                if doomed is not None:
-                    doomed.add(node.serial)
-                ck = node.checkpoint
-                if ck is not None and ck.frozen_block is not None:
-                    count += 1
-                parent = node.parent
-                if parent is None or parent.block < 0:
-                    break
-                seen = gone.get(parent.serial, 0) + 1
-                gone[parent.serial] = seen
-                pck = parent.checkpoint
-                # Would the parent be evictable once all counted children are gone?
-                after = implied_node_state(
-                    attached=True,
-                    leaf=seen == len(parent.children),
-                    block_refs=refs[parent.block],
-                    pins=pck.pins if pck is not None else 0,
-                )
-                if after != _EVICTABLE:
-                    break
-                node = parent
-            if count >= limit:
-                break
-        return count
-
-    def _room_possible(self, short: int) -> bool:
-        """Whether `_make_room` can free `short` blocks (no change made)."""
-        # Each evictable leaf frees at least its own block; count deeper only when short.
-        if len(self._evictable) >= short or self._reclaimable(short) >= short:
-            return True
-        doomed: set[int] = set()
-        total = self._reclaimable(self._kv.capacity + 1, doomed)
-        total += sum(1 for ck in self._checkpoints.frozen_tails() if ck.anchor.serial not in doomed)
-        return total >= short
-
-    def _make_room(self, need: int) -> None:
-        """Make `need` blocks free: KV eviction first, then the frozen tails of
-        unpinned checkpoints; raises `OutOfBlocks`, changing nothing, when impossible."""
-        short = need - self._kv.num_free
-        if short <= 0:
-            return
-        if not self._room_possible(short):
-            raise OutOfBlocks(
-                f"need {need} KV blocks: {self._kv.num_free} free and fewer than {short} "
-                f"reclaimable by eviction (capacity {self._kv.capacity})"
-            )
-        freed = self._evict_blocks(short)
-        if freed < short:
-            self.stats.evicted_blocks += self._checkpoints.evict_frozen_tails(short - freed)
 
     # ---------------------------------------------------------------- commit
 
+    @_exclusive
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """`tokens[:num_tokens]` have computed KV: attach their full blocks to the trie.
 
-        A block equal to an existing child is deduplicated: the sequence switches
-        to the cached block and its own copy is freed.
+        A block equal to an existing child is deduplicated ([R18]): the
+        sequence switches to the cached block and its own copy is freed.
+        Otherwise a node is attached owning the sequence's block ([R19]).
+        Raises `InvalidArgument` outside `num_committed_tokens..covered`.
+        Keeps invariants 1, 4, 5 and 10.
         """
         self._check_live(seq)
         n = int_arg("num_tokens", num_tokens)
@@ -415,55 +364,44 @@ class BlockTrie:
                 f"commit: num_tokens={n} must be in {seq.num_committed_tokens}..{covered} "
                 f"(committed so far .. allocated and known tokens) for {seq!r}"
             )
-        self._clock += 1
-        tick = self._clock
         full = n // size
         path = seq.path
         start = len(path)
-        if start < full:
-            parent = path[-1] if path else self._root(seq.namespace)
-            toks = seq.token_list
+        keys = seq.keys
+        if len(keys) < full:  # blocks completed by tokens appended after match
             ext = seq.extra
-            plain = ext is None and self._key_hash is None
-            kv = self._kv
-            stored: list[Node] = []
-            for i in range(start, full):
-                tokens = tuple(toks[i * size : (i + 1) * size])
+            keys.extend(request_keys(seq.token_list, ext, size, self._key_hash, len(keys), full))
+        self._clock += 1  # [R7]
+        tick = self._clock
+        if start >= full:
+            seq.num_committed_tokens = n
+            return
+        parent = path[-1] if path else self._root(seq.namespace)
+        plain = seq.extra is None and self._key_hash is None
+        kv = self._kv
+        stored: list[Node] = []
+        for i in range(start, full):
+            key = keys[i]
+            child = parent.children.get(key)
+            if child is not None:  # [R18]
+                own = seq.blocks[i]
+                kv.incref(child.block)
+                seq.blocks[i] = child.block
+                kv.decref(own)
+                self._evictor.settle(child)
+                child.tick = tick  # [R8]
+            else:  # [R19]
                 if plain:
-                    e: Hashable = None
-                    key: Hashable = tokens
+                    child = self._attach(parent, key, key, None, seq.blocks[i], tick)  # type: ignore[arg-type]
                 else:
-                    e = self._block_extra(ext, i)
-                    key = self._key(tokens, e)
-                child = parent.children.get(key)
-                if child is not None:
-                    own = seq.blocks[i]
-                    kv.incref(child.block)
-                    seq.blocks[i] = child.block
-                    kv.decref(own)
-                    self._settle(child)
-                    child.tick = tick
-                else:
-                    child = self._attach(parent, key, tokens, e, seq.blocks[i], tick)
-                    stored.append(child)
-                path.append(child)
-                parent = child
-            if stored and self._events_on:
-                first_parent = stored[0].parent
-                self._events.append(
-                    BlockStored(
-                        block_hashes=tuple(nd.block_hash for nd in stored),
-                        block_ids=tuple(nd.block for nd in stored),
-                        parent_block_hash=(
-                            None
-                            if first_parent is None or first_parent.block < 0
-                            else first_parent.block_hash
-                        ),
-                        token_ids=tuple(t for nd in stored for t in nd.tokens),
-                        block_size=size,
-                        namespace=seq.namespace,
+                    identity = block_identity(seq.extra, i)
+                    child = self._attach(
+                        parent, key, key_tokens(key), identity, seq.blocks[i], tick
                     )
-                )
+                stored.append(child)
+            path.append(child)
+            parent = child
+        self._events.stored(stored, size)
         seq.num_committed_tokens = n
 
     def _attach(
@@ -477,22 +415,24 @@ class BlockTrie:
     ) -> Node:
         self._kv.incref(block)
         self._node_serial += 1
+        chain = self._chain
         node = Node(
-            parent,
-            key,
-            tokens,
-            extra,
-            block,
-            parent.namespace,
-            parent.depth + 1,
-            self._node_serial,
-            tick,
-            hash((parent.block_hash, key)) if self._events_on else 0,
-            _CACHED,
+            parent=parent,
+            key=key,
+            tokens=tokens,
+            extra=extra,
+            block=block,
+            namespace=parent.namespace,
+            depth=parent.depth + 1,
+            serial=self._node_serial,
+            tick=tick,
+            block_hash=0
+            if chain is None
+            else chain(parent.block_hash, tokens, extra, parent.namespace),
+            state=_CACHED,
         )
         parent.children[key] = node
-        self._owner[block] = node
-        self._num_cached += 1
+        self._evictor.adopt(node)
         # No state changes: the parent is a root or on the committing sequence's
         # path (held, so `cached` or `pinned` with or without children), and the
         # new node starts `cached`, as the sequence still holds its block.
@@ -500,17 +440,26 @@ class BlockTrie:
 
     # ------------------------------------------------------- release / abort
 
+    @_exclusive
     def release(self, seq: Sequence) -> None:
-        """The request is done: drop its references; committed blocks stay cached."""
+        """The request is done: drop its references ([R20]); committed blocks stay cached.
+
+        Raises `SequenceNotLive` for a sequence already released or aborted.
+        """
         self._check_live(seq)
         self._clock += 1
         tick = self._clock
         for node in seq.path:
-            node.tick = tick  # held by seq, so in no index while it changes
+            node.tick = tick  # [R8]; held by seq, so in no index while it changes
         self._drop(seq)
 
+    @_exclusive
     def abort(self, seq: Sequence) -> None:
-        """Reject a tentative match: undo its references, pin and statistics."""
+        """Reject a tentative match: undo its references, pin and statistics ([R21]).
+
+        `match` then `abort` leaves every count, pin, index and statistic as it
+        was (invariant 8). Raises `SequenceNotLive` for a dead sequence.
+        """
         self._check_live(seq)
         stats = self.stats
         stats.queries -= 1
@@ -531,109 +480,70 @@ class BlockTrie:
             # Every other path node has a child (the next one), so it stays
             # `cached` or `pinned`; only the deepest can have become a leaf
             # that nobody else holds.
-            self._settle(seq.path[-1])
+            self._evictor.settle(seq.path[-1])
         seq.live = False
         del self._live[seq.serial]
 
     # ---------------------------------------------------------------- evict
 
+    @_exclusive
     def evict(self, num_blocks: int) -> int:
-        """Evict LRU evictable leaves until `num_blocks` KV blocks are freed.
+        """Evict LRU evictable leaves until `num_blocks` KV blocks are freed ([R23]).
 
         Returns the blocks freed (node blocks plus frozen tails); fewer when
-        nothing more is evictable. Pinned or shared nodes are never touched.
+        nothing more is evictable. Pinned or shared nodes are never touched
+        (invariant 3). Raises `InvalidArgument` for a negative count.
         """
         n = int_arg("num_blocks", num_blocks)
         if n < 0:
             raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
-        return self._evict_blocks(n)
+        return self._evictor.evict(n)
 
-    def _evict_blocks(self, n: int) -> int:
-        freed = 0
-        index = self._evictable
-        removed: list[Node] | None = [] if self._events_on else None
-        while freed < n and index:
-            node = index.oldest()
-            freed += self._free_node(node)
-            if removed is not None:
-                removed.append(node)
-        if removed:
-            self._emit_removed(removed)
-        self.stats.evicted_blocks += freed
-        return freed
-
-    def _emit_removed(self, removed: list[Node]) -> None:
-        """One `BlockRemoved` per run of evicted nodes from the same namespace."""
-        start = 0
-        for i in range(1, len(removed) + 1):
-            if i == len(removed) or removed[i].namespace != removed[start].namespace:
-                run = removed[start:i]
-                self._events.append(
-                    BlockRemoved(
-                        tuple(nd.block_hash for nd in run),
-                        tuple(nd.block for nd in run),
-                        run[0].namespace,
-                    )
-                )
-                start = i
-
-    def _free_node(self, node: Node) -> int:
-        freed_state = NODE.step("free", node.state, node)
-        self._evictable.remove(node)
-        freed = 0
-        ck = node.checkpoint
-        if ck is not None:
-            freed += self._checkpoints.drop(ck, "evict")
-            self.stats.evicted_checkpoints += 1
-        parent = node.parent
-        if parent is None:
-            raise InvariantViolation("topology", f"evictable {node!r} has no parent")
-        del parent.children[node.key]
-        node.state = freed_state
-        node.parent = None
-        self._owner[node.block] = None
-        self._num_cached -= 1
-        if self._kv.decref(node.block):
-            freed += 1
-        self._settle(parent)
-        return freed
-
+    @_exclusive
     def evict_checkpoints(self, n: int) -> int:
-        """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes stay."""
+        """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes
+        stay ([R24]). Returns how many; pinned ones are never touched (invariant 2)."""
         count = int_arg("n", n)
         if count < 0:
             raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
         return self._checkpoints.evict_lru(count)
 
+    @_exclusive
     def clear(self) -> None:
-        """Drop every cached block and checkpoint. Needs no live sequence, copy or pin."""
-        if self._live or self._inflight or self._explicit:
+        """Drop every cached block and checkpoint ([R22]).
+
+        Needs no live sequence, copy in flight or explicit pin (`CacheError`
+        otherwise, nothing changed). Emits one `AllBlocksCleared`.
+        """
+        inflight = self._transfers.inflight
+        if self._live or inflight or self._explicit:
             raise CacheError(
-                f"clear: {len(self._live)} live sequences, {len(self._inflight)} copies in "
+                f"clear: {len(self._live)} live sequences, {len(inflight)} copies in "
                 f"flight and {len(self._explicit)} explicit pins must be finished first"
             )
-        events = self._events_on
-        self._events_on = False
-        try:
-            self._evict_blocks(self._kv.capacity)
+        with self._events.muted():
+            self._evictor.evict(self._kv.capacity)
             for root in self._roots.values():
                 if root.checkpoint is not None:
-                    self._checkpoints.drop(root.checkpoint, "evict")
+                    self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
                     self.stats.evicted_checkpoints += 1
-        finally:
-            self._events_on = events
-        if events:
-            self._events.append(AllBlocksCleared())
+        self._events.cleared()
 
     # ----------------------------------------------------------- checkpoints
 
+    @_exclusive
     def save(
         self, seq: Sequence, step: int, runtime_state: Mapping[str, torch.Tensor] | None
     ) -> Copy | None:
-        """Checkpoint `seq`'s SSM state after exactly `step` tokens.
+        """Checkpoint `seq`'s SSM state after exactly `step` tokens ([R25]-[R31]).
 
-        Returns the queued copy, or None when skipped (duplicate, pinned anchor,
-        or no slot / frozen block even after eviction); skips are counted in stats.
+        `runtime_state` maps each configured state name to this sequence's
+        tensor. Returns the queued copy, which holds a producer pin until it is
+        reaped; or None when skipped (duplicate, pinned anchor, or no slot /
+        frozen block even after eviction), counted in stats. Raises
+        `CheckpointError` when SSM is off or the anchor is not committed,
+        `InvalidArgument` for a step outside the sequence. Keeps invariants 1,
+        2 and 7; a copy that fails is undone ([R38]).
         """
         self._check_live(seq)
         step = int_arg("step", step)
@@ -654,32 +564,35 @@ class BlockTrie:
             )
         runtime = self._slots.check_runtime(runtime_state)
 
-        anchor = seq.path[depth - 1] if depth else self._root(seq.namespace)
+        root = self._roots.get(seq.namespace)
+        anchor = seq.path[depth - 1] if depth else root
         tail = tuple(seq.token_list[depth * size : step])
-        tail_extra = self._block_extra(seq.extra, depth) if rem else None
-        old = anchor.checkpoint
+        tail_extra = block_identity(seq.extra, depth) if rem else None
+        old = anchor.checkpoint if anchor is not None else None
         stats = self.stats
         if old is not None:
             if old.step == step and old.tail == tail and old.tail_extra == tail_extra:
-                stats.checkpoints_deduplicated += 1
+                stats.checkpoints_deduplicated += 1  # [R25]
                 return None
-            if not CHECKPOINT.can("replace", old.state):
-                stats.checkpoints_skipped += 1
+            if not CHECKPOINT.can(CheckpointTrigger.REPLACE, old.state):
+                stats.checkpoints_skipped += 1  # [R26]
                 return None
-        reuse_frozen = old is not None and old.frozen_block is not None and rem > 0
+        reuse_frozen = old is not None and old.frozen_block is not None and rem > 0  # [R27]
         need_block = rem > 0 and not reuse_frozen
         need_slot = old is None
+        evictor = self._evictor
+        # [R30]: feasibility first, on the unchanged state.
         if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
-            stats.checkpoints_skipped += 1
+            stats.checkpoints_skipped += 1  # [R28]
             return None
-        if need_block and self._kv.num_free == 0 and not self._room_possible(1):
-            stats.checkpoints_skipped += 1
+        if need_block and self._kv.num_free == 0 and not evictor.room_possible(1):
+            stats.checkpoints_skipped += 1  # [R29]
             return None
 
         if need_slot and self._slots.num_free == 0:
-            self._checkpoints.evict_lru(1)
+            self._checkpoints.evict_lru(1)  # [R28]
         if need_block:
-            self._make_room(1)
+            evictor.make_room(1)  # [R29]
         slot = self._slots.take() if old is None else old.slot
         frozen: int | None = old.frozen_block if reuse_frozen and old is not None else None
         if need_block:
@@ -690,29 +603,22 @@ class BlockTrie:
                     self._slots.give(slot)
                 raise
 
+        new_root = anchor is None
+        if anchor is None:  # created only now that nothing can fail ([R6], [R11])
+            anchor = self._root(seq.namespace)
         if old is not None:
-            self._checkpoints.move(old, "replace")
+            self._checkpoints.move(old, CheckpointTrigger.REPLACE)
             anchor.checkpoint = None
             if old.frozen_block is not None and not reuse_frozen:
                 self._kv.decref(old.frozen_block)
-        self._clock += 1
+        self._clock += 1  # [R31]
         ck = self._checkpoints.reserve(anchor, step, tail, tail_extra, slot, frozen, self._clock)
-
-        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, dst in self._slots.views(slot).items():
-            moves.append((runtime[name], dst))
-        resources: list[Resource] = [("slot", slot)]
-        source_block = seq.blocks[depth] if rem else -1
-        if frozen is not None:
-            resources += [("block", source_block), ("block", frozen)]
-            src_view, dst_view = self._kv.view(source_block), self._kv.view(frozen)
-            if src_view is not None and dst_view is not None:
-                moves.append((src_view, dst_view))
-        copy = self._new_copy("save", step, moves, resources)
-        if frozen is not None:
-            self._kv.incref(source_block)
-            copy.blocks.append(source_block)
-        self._checkpoints.move(ck, "publish")
+        seq_block = seq.blocks[depth] if rem else -1
+        copy = self._transfers.build(
+            "save", step, slot, runtime, into_checkpoint=True, frozen_block=frozen,
+            seq_block=seq_block,
+        )  # fmt: skip
+        self._checkpoints.publish(ck)
         copy.receipts.append(self._checkpoints.pin(ck))
         stats.checkpoints_saved += 1
 
@@ -720,19 +626,26 @@ class BlockTrie:
             # Its data never arrived: take the checkpoint out again. A replaced
             # one cannot come back: its slot was being overwritten.
             self._checkpoints.unpin(copy.receipts[0])
-            self._checkpoints.drop(ck, "release")
-            for block in copy.blocks:
-                self._kv.decref(block)
+            self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
+            if new_root:
+                del self._roots[seq.namespace]
+            if old is not None:  # [R38]: lost with its slot's data, so counted
+                stats.evicted_checkpoints += 1
             self._clock -= 1
             stats.checkpoints_saved -= 1
 
-        self._launch(copy, undo)
+        self._transfers.launch(copy, undo)
         return copy
 
+    @_exclusive
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
-        """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block).
+        """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block)
+        ([R32]-[R34]).
 
-        The match's pin moves to the copy and is released when the copy finishes.
+        The match's pin moves to the copy and is released when the copy is
+        reaped (invariant 2). Raises `CheckpointError` when the match found no
+        checkpoint, the sequence was already restored, or its partial block is
+        already committed; `OutOfBlocks` when a private block cannot be found.
         """
         self._check_live(seq)
         point = seq.restore
@@ -745,30 +658,22 @@ class BlockTrie:
         ck = point.checkpoint
         depth = ck.step // self._block_size
         if ck.frozen_block is not None and len(seq.path) > depth:
-            raise CheckpointError(
+            raise CheckpointError(  # [R32]
                 f"restore: {seq!r} already committed block {depth}, where the frozen tail "
                 "would be written; restore before prefill"
             )
         allocated = ck.frozen_block is not None and len(seq.blocks) == depth
-        if allocated:
-            self._make_room(1)
+        if allocated:  # [R33]
+            self._evictor.make_room(1)
             seq.blocks.extend(self._kv.take(1))
         old_tick = ck.tick
-        self._clock += 1
-        ck.tick = self._clock  # pinned, so in no index while it changes
-        moves = [(src, runtime[name]) for name, src in self._slots.views(ck.slot).items()]
-        resources: list[Resource] = [("slot", ck.slot)]
-        target = -1
-        if ck.frozen_block is not None:
-            target = seq.blocks[depth]
-            resources += [("block", ck.frozen_block), ("block", target)]
-            src_view, dst_view = self._kv.view(ck.frozen_block), self._kv.view(target)
-            if src_view is not None and dst_view is not None:
-                moves.append((src_view, dst_view))
-        copy = self._new_copy("restore", ck.step, moves, resources)
-        if target >= 0:
-            self._kv.incref(target)
-            copy.blocks.append(target)
+        self._clock += 1  # [R34]
+        ck.tick = self._clock  # [R9]; pinned, so in no index while it changes
+        seq_block = seq.blocks[depth] if ck.frozen_block is not None else -1
+        copy = self._transfers.build(
+            "restore", ck.step, ck.slot, runtime, into_checkpoint=False,
+            frozen_block=ck.frozen_block, seq_block=seq_block,
+        )  # fmt: skip
         copy.receipts.append(receipt)
         seq.match_receipt = None
         seq.restored = True
@@ -777,62 +682,28 @@ class BlockTrie:
         def undo() -> None:
             seq.match_receipt = receipt
             seq.restored = False
-            if target >= 0:
-                self._kv.decref(target)
             if allocated:
                 self._kv.decref(seq.blocks.pop())
             ck.tick = old_tick
             self._clock -= 1
             self.stats.restores -= 1
 
-        self._launch(copy, undo)
+        self._transfers.launch(copy, undo)
         return copy
 
-    def _new_copy(
-        self,
-        kind: str,
-        step: int,
-        moves: list[tuple[torch.Tensor, torch.Tensor]],
-        resources: list[Resource],
-    ) -> Copy:
-        self._copy_serial += 1
-        return Copy(kind, step, moves, resources, self._copy_serial)
-
-    def _launch(self, copy: Copy, undo: Callable[[], None]) -> None:
-        """Queue `copy`; if queuing it fails (a copy that runs at once raised),
-        `undo` puts back what the operation changed and `CacheError` is raised."""
-        self._inflight[copy.serial] = copy
-        try:
-            self.copies.queue(copy)
-        except Exception as exc:
-            self.copies.forget(copy)
-            del self._inflight[copy.serial]
-            undo()
-            raise CacheError(f"{copy.kind}: the copy failed and was undone: {exc}") from exc
-        if copy.done:
-            self.copies.forget(copy)
-            self._reap(copy)
-
-    def _reap(self, copy: Copy) -> None:
-        del self._inflight[copy.serial]
-        for receipt in copy.receipts:
-            self._checkpoints.unpin(receipt)
-        for block in copy.blocks:
-            self._kv.decref(block)
-            owner = self._owner[block]
-            if owner is not None:
-                self._settle(owner)
-        self.stats.copies_reaped += 1
-
+    @_exclusive
     def poll(self) -> int:
-        """Reap finished copies, oldest first, releasing their pins and references."""
-        finished = self.copies.collect()
-        for copy in finished:
-            self._reap(copy)
-        return len(finished)
+        """Reap finished copies, oldest first, releasing their pins and references
+        ([R35]). Returns how many were reaped."""
+        return self._transfers.poll()
 
+    @_exclusive
     def pin(self, seq: Sequence) -> PinReceipt:
-        """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin`."""
+        """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin` ([R39]).
+
+        Raises `CheckpointError` when the match found no checkpoint,
+        `IllegalTransition` when that checkpoint has since been released ([R41]).
+        """
         self._check_live(seq)
         if seq.restore is None:
             raise CheckpointError(f"pin: {seq!r} matched no checkpoint")
@@ -840,8 +711,9 @@ class BlockTrie:
         self._explicit[id(receipt)] = receipt
         return receipt
 
+    @_exclusive
     def unpin(self, receipt: PinReceipt) -> None:
-        """Consume a receipt from `pin`; a second use raises `PinError`."""
+        """Redeem a receipt from `pin` ([R40]); a second use raises `PinError`."""
         if not isinstance(receipt, PinReceipt):
             raise InvalidType(f"unpin takes a PinReceipt, got {type(receipt).__name__}")
         if receipt.owner is not self or self._explicit.get(id(receipt)) is not receipt:
@@ -853,98 +725,21 @@ class BlockTrie:
 
     # ---------------------------------------------------------------- events
 
+    @_exclusive
     def drain_events(self) -> list[Event]:
-        """Return and forget the events emitted since the last drain."""
-        events = self._events
-        self._events = []
-        replay(events, self._drained_view)
-        return events
+        """Return and forget the events emitted since the last drain (invariant 10)."""
+        return self._events.drain()
 
     # ------------------------------------------------------------ inspection
 
     def snapshot(self) -> Snapshot:
         """The whole cache as plain data (`spec.snapshot.Snapshot`)."""
-        nodes: dict[int, NodeView] = {}
-        checkpoints: dict[int, CheckpointView] = {}
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            nid = node.serial
-            ck = node.checkpoint
-            nodes[nid] = {
-                "namespace": node.namespace,
-                "parent": None if node.parent is None else node.parent.serial,
-                "depth": node.depth,
-                "key": None if node.block < 0 else (node.tokens, node.extra),
-                "block": None if node.block < 0 else node.block,
-                "children": [c.serial for c in node.children.values()],
-                "state": node.state,
-                "tick": node.tick,
-                "serial": node.serial,
-                "checkpoint": None if ck is None else ck.serial,
-            }
-            if ck is not None:
-                checkpoints[ck.serial] = {
-                    "anchor": nid,
-                    "step": ck.step,
-                    "tail": ck.tail,
-                    "tail_extra": ck.tail_extra,
-                    "slot": ck.slot,
-                    "frozen_block": ck.frozen_block,
-                    "pins": ck.pins,
-                    "state": ck.state,
-                    "tick": ck.tick,
-                    "serial": ck.serial,
-                }
-            stack.extend(node.children.values())
-        sequences: dict[int, SequenceView] = {}
-        for sid, seq in self._live.items():
-            sequences[sid] = {
-                "namespace": seq.namespace,
-                "tokens": tuple(seq.token_list),
-                "extra": seq.extra,
-                "blocks": list(seq.blocks),
-                "path": [n.serial for n in seq.path],
-                "num_cached_tokens": seq.num_cached_tokens,
-                "num_committed_tokens": seq.num_committed_tokens,
-                "restore_checkpoint": None
-                if seq.restore is None
-                else seq.restore.checkpoint.serial,
-                "holds_match_pin": seq.match_receipt is not None,
-            }
-        copies: dict[int, CopyView] = {
-            cid: {
-                "kind": c.kind,
-                "blocks": list(c.blocks),
-                "pins": [r.checkpoint.serial for r in c.receipts],
-                "done": c.done,
-            }
-            for cid, c in self._inflight.items()
-        }
-        return {
-            "block_size": self._block_size,
-            "capacity": self._kv.capacity,
-            "free_blocks": self._kv.free_ids(),
-            "refcounts": dict(enumerate(self._kv.refs)),
-            "slot_capacity": self._slots.capacity,
-            "free_slots": self._slots.free_ids(),
-            "roots": {ns: r.serial for ns, r in self._roots.items()},
-            "nodes": nodes,
-            "checkpoints": checkpoints,
-            "sequences": sequences,
-            "copies": copies,
-            "explicit_pins": [r.checkpoint.serial for r in self._explicit.values()],
-            "evictable_index": [n.serial for n in self._evictable],
-            "checkpoint_index": [c.serial for c in self._checkpoints.lru],
-            "event_blocks": (
-                replay(self._events, set(self._drained_view)) if self._events_on else None
-            ),
-            "stats": dict(self.stats.counters()),
-        }
+        return inspection.snapshot(self)
 
     def check(self) -> None:
-        """Verify every spec invariant on the live structure; raises `InvariantViolation`."""
-        invariants.check_all(self.snapshot())
+        """Verify invariants 1-7, 9 and 10 (`spec.invariants.INVARIANTS`) on the live
+        structure; raises `InvariantViolation` naming the first one broken."""
+        inspection.check(self)
 
     def __repr__(self) -> str:
         return (

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import collections.abc
 import operator
 from array import array
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NoReturn, TypeAlias
 
 from spec.errors import InvalidArgument, InvalidType
+
+TokenIds: TypeAlias = collections.abc.Sequence[int]
+"""Token ids as the API takes them: a list or tuple of integers."""
 
 
 def int_arg(name: str, value: object) -> int:
@@ -21,20 +25,22 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
     """Validate token ids; returns a private list.
 
     Token ids are integers (anything `operator.index` accepts: int, bool,
-    numpy integers) in [0, 2**64), in a list or tuple. One C-speed pass
-    (`array("Q", ...)`) accepts valid input; only a failure takes the slow
-    path that names the first offending element, types before ranges.
+    numpy integers, 0-d integer tensors) in [0, 2**64), in a list or tuple,
+    and are stored as plain Python ints ([R5]): a numpy integer or a tensor
+    element becomes its int, so equal prompts share nodes whatever type the
+    engine passed. One C-speed pass (`array("Q", ...)`) converts valid input;
+    only a failure takes the slow path that names the first offending element,
+    types before ranges ([R1], [R2]).
     """
     if not isinstance(tokens, (list, tuple)):
         raise InvalidType(f"{what} must be a list or tuple of ints, got {type(tokens).__name__}")
     try:
-        array("Q", tokens)
-    except (TypeError, OverflowError):
+        return array("Q", tokens).tolist()
+    except (TypeError, OverflowError, ValueError, RuntimeError):
         _explain_bad_tokens(tokens, what)
-    return list(tokens)
 
 
-def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> None:
+def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoReturn:
     for t in tokens:
         try:
             operator.index(t)

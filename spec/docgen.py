@@ -15,10 +15,17 @@ picture is drawn from the same machines that the cache's tables derive from.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
-from spec.lifecycle import LIFECYCLES, Lifecycle, NodeState
+from spec.lifecycle import (
+    LIFECYCLES,
+    Lifecycle,
+    implied_checkpoint_state,
+    implied_copy_state,
+    implied_node_state,
+)
 
 _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATH = _ROOT / "docs" / "lifecycle.md"
@@ -51,6 +58,52 @@ def _table(life: Lifecycle) -> str:
     return "\n".join(rows)
 
 
+def _implied_tables() -> list[str]:
+    """Truth tables of the `implied_*` functions, computed by calling them."""
+    node_rows = [
+        "| root | attached | leaf | block refs | pins | state |",
+        "|---|---|---|---|---|---|",
+    ]
+    for root, attached, leaf, refs, pins in itertools.product(
+        (False, True), (True, False), (True, False), (1, 2), (0, 1)
+    ):
+        if root and not attached:
+            continue
+        state = implied_node_state(
+            attached=attached, leaf=leaf, block_refs=refs, pins=pins, root=root
+        ).value
+        node_rows.append(f"| {root} | {attached} | {leaf} | {refs} | {pins} | `{state}` |")
+    ck_rows = ["| present | published | pins | state |", "|---|---|---|---|"]
+    for present, published, pins in itertools.product((True, False), (True, False), (0, 1)):
+        state = implied_checkpoint_state(present=present, published=published, pins=pins).value
+        ck_rows.append(f"| {present} | {published} | {pins} | `{state}` |")
+    copy_rows = ["| reaped | failed | moved | state |", "|---|---|---|---|"]
+    for reaped, failed, moved in itertools.product((False, True), (False, True), (False, True)):
+        state = implied_copy_state(reaped=reaped, failed=failed, moved=moved).value
+        copy_rows.append(f"| {reaped} | {failed} | {moved} | `{state}` |")
+    return [
+        "## Implied states",
+        "",
+        "The cache never picks a node state, nor a checkpoint state after a pin is",
+        "dropped, by hand: it computes the state the facts imply and fires the",
+        "triggers of the spec's route there. These tables are computed by calling",
+        "`implied_node_state`, `implied_checkpoint_state` and `implied_copy_state`.",
+        "",
+        "### Node",
+        "",
+        *node_rows,
+        "",
+        "### Checkpoint",
+        "",
+        *ck_rows,
+        "",
+        "### Copy",
+        "",
+        *copy_rows,
+        "",
+    ]
+
+
 def render() -> str:
     """The whole page, as it should be committed."""
     parts = [
@@ -76,18 +129,7 @@ def render() -> str:
             _table(life),
             "",
         ]
-    parts += [
-        "## Implied node state",
-        "",
-        "The cache never picks a node state by hand: after every change of a node's",
-        "facts it computes the implied state and fires the triggers that lead there.",
-        "",
-        f"- not attached: `{NodeState.FREED.value}`",
-        f"- checkpoint pin count > 0: `{NodeState.PINNED.value}`",
-        f"- leaf and only the trie holds its block: `{NodeState.EVICTABLE.value}`",
-        f"- otherwise: `{NodeState.CACHED.value}`",
-        "",
-    ]
+    parts += _implied_tables()
     return "\n".join(parts)
 
 

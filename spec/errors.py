@@ -70,3 +70,16 @@ class InvariantViolation(CacheError):
 
 class AllocationFailed(CacheError):
     """An injected (or real) allocation failure inside a pool; the operation is undone."""
+
+
+class ConcurrentUse(CacheError):
+    """A cache was entered from a second thread while an operation was running.
+
+    A cache is single-threaded (an engine's scheduler owns it); the second
+    caller is refused before it changes anything.
+    """
+
+
+class CopyFailed(CacheError):
+    """A save or restore copy did not deliver its data (it failed, or read data
+    whose own copy failed). Its pins are released when it is reaped."""

@@ -1,4 +1,4 @@
-"""The invariants of DESIGN.md as named predicates over a `Snapshot`.
+"""The contract's numbered invariants as named predicates over a `Snapshot`.
 
 Each predicate returns the list of problems it found (empty when it holds), so
 a failure names the invariant and the object. `check_all` runs them in order
@@ -12,7 +12,14 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 
 from spec.errors import InvariantViolation
-from spec.lifecycle import NodeState, implied_checkpoint_state, implied_node_state
+from spec.lifecycle import (
+    CheckpointState,
+    CopyState,
+    NodeState,
+    implied_checkpoint_state,
+    implied_copy_state,
+    implied_node_state,
+)
 from spec.snapshot import Snapshot
 
 Problems = list[str]
@@ -208,20 +215,23 @@ def ssm_soundness(snap: Snapshot) -> Problems:
 
 
 def explicit_state(snap: Snapshot) -> Problems:
-    """7. Stored states equal the states the facts imply; indexes hold exactly the eligible."""
+    """7. Stored states (nodes, roots, checkpoints, copies) equal the states the facts
+    imply; the indexes hold exactly the eligible objects."""
     problems: Problems = []
     nodes = snap["nodes"]
     checkpoints = snap["checkpoints"]
     evictable: list[tuple[int, int, int]] = []
     for nid, node in nodes.items():
-        if node["parent"] is None:
-            continue
         cid = node["checkpoint"]
         pins = checkpoints[cid]["pins"] if cid is not None else 0
         block = node["block"]
         refs = snap["refcounts"].get(block, 0) if block is not None else 0
         implied = implied_node_state(
-            attached=True, leaf=not node["children"], block_refs=refs, pins=pins
+            attached=True,
+            leaf=not node["children"],
+            block_refs=refs,
+            pins=pins,
+            root=node["parent"] is None,
         ).value
         if node["state"] != implied:
             problems.append(f"node {nid}: stored state {node['state']!r}, facts imply {implied!r}")
@@ -236,20 +246,28 @@ def explicit_state(snap: Snapshot) -> Problems:
     published: list[tuple[int, int, int]] = []
     for cid, ck in checkpoints.items():
         implied_ck = implied_checkpoint_state(
-            present=True, published=ck["state"] != "reserved", pins=ck["pins"]
+            present=True, published=ck["state"] != CheckpointState.RESERVED.value, pins=ck["pins"]
         ).value
         if ck["state"] != implied_ck:
             problems.append(f"checkpoint {cid}: stored state {ck['state']!r} != {implied_ck!r}")
         anchor = nodes.get(ck["anchor"])
         if anchor is None or anchor["checkpoint"] != cid:
             problems.append(f"checkpoint {cid}: its anchor does not point back to it")
-        if implied_ck == "published":
+        if implied_ck == CheckpointState.PUBLISHED.value:
             published.append((ck["tick"], ck["serial"], cid))
     expected_ck = [cid for _, _, cid in sorted(published)]
     if snap["checkpoint_index"] != expected_ck:
         problems.append(
             f"checkpoint index {snap['checkpoint_index']} != published checkpoints {expected_ck}"
         )
+    for copy_id, copy in snap["copies"].items():
+        failed = copy["state"] == CopyState.FAILED.value
+        implied_copy = implied_copy_state(reaped=False, failed=failed, moved=copy["done"]).value
+        if copy["state"] != implied_copy or copy["done"] != (copy["state"] != CopyState.QUEUED):
+            problems.append(
+                f"copy {copy_id}: stored state {copy['state']!r}, done={copy['done']} "
+                f"imply {implied_copy!r}"
+            )
     return problems
 
 
@@ -276,17 +294,30 @@ def accounting(snap: Snapshot) -> Problems:
 
 
 def events(snap: Snapshot) -> Problems:
-    """10. Replaying the emitted events yields exactly the cached block set."""
+    """10. Replaying the emitted events yields exactly the cached block set (and, for
+    checkpoint events, exactly the slots of the matchable checkpoints)."""
+    problems: Problems = []
     replayed = snap["event_blocks"]
-    if replayed is None:
-        return []
-    cached = set(_attached(snap))
-    if replayed != cached:
-        return [
-            f"events replay to {sorted(replayed - cached)} extra / "
-            f"{sorted(cached - replayed)} missing blocks"
-        ]
-    return []
+    if replayed is not None:
+        cached = set(_attached(snap))
+        if replayed != cached:
+            problems.append(
+                f"events replay to {sorted(replayed - cached)} extra / "
+                f"{sorted(cached - replayed)} missing blocks"
+            )
+    slots = snap.get("event_checkpoint_slots")
+    if slots is not None:
+        matchable = {
+            ck["slot"]
+            for ck in snap["checkpoints"].values()
+            if ck["state"] != CheckpointState.RESERVED.value
+        }
+        if slots != matchable:
+            problems.append(
+                f"checkpoint events replay to slots {sorted(slots - matchable)} extra / "
+                f"{sorted(matchable - slots)} missing"
+            )
+    return problems
 
 
 def rollback(before: Snapshot, after: Snapshot) -> Problems:
@@ -319,7 +350,7 @@ INVARIANTS: tuple[tuple[str, SnapshotPredicate], ...] = (
     ("accounting", accounting),
     ("events", events),
 )
-"""Every single-snapshot invariant, by name, in DESIGN.md order (8 compares two)."""
+"""Every single-snapshot invariant, by name, in the contract's order (8 compares two)."""
 
 
 def violations(snap: Snapshot) -> list[tuple[str, str]]:

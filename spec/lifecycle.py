@@ -1,4 +1,5 @@
-"""Node and checkpoint lifecycles, written once as data.
+"""Every lifecycle of the cache, written once as data: node, checkpoint, pin
+receipt and copy.
 
 The transition lists below are the single source of truth. At import they are
 built into flat `transitions.Machine`s (one per lifecycle; used for rendering
@@ -35,6 +36,8 @@ class NodeState(str, Enum):
     """Attached and its checkpoint holds at least one pin. Never evicted."""
     FREED = "freed"
     """Detached, block returned, checkpoint released. Terminal."""
+    ROOT = "root"
+    """A namespace root: owns no block, is never evicted; no transition enters or leaves it."""
 
     def __hash__(self) -> int:
         # Hash as the plain string it equals, so table lookups accept either.
@@ -57,26 +60,137 @@ class CheckpointState(str, Enum):
         return str.__hash__(self)
 
 
-# (trigger, sources, destination) -- the whole node lifecycle.
-NODE_TRANSITIONS: tuple[tuple[str, tuple[NodeState, ...], NodeState], ...] = (
-    ("idle", (NodeState.CACHED,), NodeState.EVICTABLE),
-    ("share", (NodeState.EVICTABLE,), NodeState.CACHED),
-    ("pin", (NodeState.CACHED, NodeState.EVICTABLE), NodeState.PINNED),
-    ("unpin", (NodeState.PINNED,), NodeState.CACHED),
-    ("free", (NodeState.EVICTABLE,), NodeState.FREED),
-)
+class ReceiptState(str, Enum):
+    """Lifecycle of a pin receipt: the single-use proof of one pin on one checkpoint."""
 
-# (trigger, sources, destination) -- the whole checkpoint lifecycle.
-CHECKPOINT_TRANSITIONS: tuple[tuple[str, tuple[CheckpointState, ...], CheckpointState], ...] = (
-    ("reserve", (CheckpointState.ABSENT,), CheckpointState.RESERVED),
-    ("publish", (CheckpointState.RESERVED,), CheckpointState.PUBLISHED),
-    ("pin", (CheckpointState.PUBLISHED, CheckpointState.PINNED), CheckpointState.PINNED),
-    ("unpin", (CheckpointState.PINNED,), CheckpointState.PINNED),
-    ("unpin_last", (CheckpointState.PINNED,), CheckpointState.PUBLISHED),
-    ("release", (CheckpointState.RESERVED, CheckpointState.PUBLISHED), CheckpointState.ABSENT),
-    ("replace", (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
-    ("evict", (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
+    ISSUED = "issued"
+    """Counted in its checkpoint's pin count; held by a sequence, a copy or the engine."""
+    REDEEMED = "redeemed"
+    """Its pin was dropped. Terminal: a second unpin is an illegal transition."""
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class CopyState(str, Enum):
+    """Lifecycle of an asynchronous copy (checkpoint save or restore)."""
+
+    QUEUED = "queued"
+    """Submitted; its data may be moving. Holds its pins and block references."""
+    FINISHED = "finished"
+    """Its data has moved. Still holds its pins and references until reaped."""
+    FAILED = "failed"
+    """It did not move its data (the copy raised, or the engine failed it)."""
+    REAPED = "reaped"
+    """Its pins and references are released. Terminal."""
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class NodeTrigger(str, Enum):
+    """Node triggers. The cache fires only FREE by name; the rest are routed."""
+
+    IDLE = "idle"
+    SHARE = "share"
+    PIN = "pin"
+    UNPIN = "unpin"
+    FREE = "free"
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class CheckpointTrigger(str, Enum):
+    """Checkpoint triggers: each names the operation that fires it."""
+
+    RESERVE = "reserve"
+    PUBLISH = "publish"
+    PIN = "pin"
+    UNPIN = "unpin"
+    RELEASE = "release"
+    REPLACE = "replace"
+    EVICT = "evict"
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class ReceiptTrigger(str, Enum):
+    """Receipt triggers."""
+
+    REDEEM = "redeem"
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class CopyTrigger(str, Enum):
+    """Copy triggers."""
+
+    FINISH = "finish"
+    FAIL = "fail"
+    REAP = "reap"
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+# (trigger, sources, destination) -- the whole node lifecycle. A node's state
+# is implied by its facts (`implied_node_state`); the cache routes to it.
+NODE_TRANSITIONS: tuple[tuple[NodeTrigger, tuple[NodeState, ...], NodeState], ...] = (
+    (NodeTrigger.IDLE, (NodeState.CACHED,), NodeState.EVICTABLE),
+    (NodeTrigger.SHARE, (NodeState.EVICTABLE,), NodeState.CACHED),
+    (NodeTrigger.PIN, (NodeState.CACHED, NodeState.EVICTABLE), NodeState.PINNED),
+    (NodeTrigger.UNPIN, (NodeState.PINNED,), NodeState.CACHED),
+    (NodeTrigger.FREE, (NodeState.EVICTABLE,), NodeState.FREED),
 )
+"""The whole node lifecycle as `(trigger, sources, destination)`; any other pair is illegal."""
+
+# (trigger, sources, destination) -- the whole checkpoint lifecycle. Commands
+# (reserve, publish, pin, release, replace, evict) fire their trigger; a pin
+# count dropping is routed to the implied state (`implied_checkpoint_state`),
+# so `unpin` fires only when the last pin goes.
+CHECKPOINT_TRANSITIONS: tuple[
+    tuple[CheckpointTrigger, tuple[CheckpointState, ...], CheckpointState], ...
+] = (
+    (CheckpointTrigger.RESERVE, (CheckpointState.ABSENT,), CheckpointState.RESERVED),
+    (CheckpointTrigger.PUBLISH, (CheckpointState.RESERVED,), CheckpointState.PUBLISHED),
+    (
+        CheckpointTrigger.PIN,
+        (CheckpointState.PUBLISHED, CheckpointState.PINNED),
+        CheckpointState.PINNED,
+    ),
+    (CheckpointTrigger.UNPIN, (CheckpointState.PINNED,), CheckpointState.PUBLISHED),
+    (
+        CheckpointTrigger.RELEASE,
+        (CheckpointState.RESERVED, CheckpointState.PUBLISHED),
+        CheckpointState.ABSENT,
+    ),
+    (CheckpointTrigger.REPLACE, (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
+    (CheckpointTrigger.EVICT, (CheckpointState.PUBLISHED,), CheckpointState.ABSENT),
+)
+"""The whole checkpoint lifecycle as `(trigger, sources, destination)`.
+
+No transition leaves `pinned` except `pin` and `unpin` (the last pin going):
+releasing, replacing or evicting a pinned checkpoint is illegal (invariant 2,
+pin safety).
+"""
+
+# (trigger, sources, destination) -- a pin receipt is redeemed exactly once.
+RECEIPT_TRANSITIONS: tuple[tuple[ReceiptTrigger, tuple[ReceiptState, ...], ReceiptState], ...] = (
+    (ReceiptTrigger.REDEEM, (ReceiptState.ISSUED,), ReceiptState.REDEEMED),
+)
+"""The pin-receipt lifecycle: issued by a pin, redeemed by exactly one unpin."""
+
+# (trigger, sources, destination) -- a copy finishes or fails, then is reaped,
+# which is the only place its pins and block references are released.
+COPY_TRANSITIONS: tuple[tuple[CopyTrigger, tuple[CopyState, ...], CopyState], ...] = (
+    (CopyTrigger.FINISH, (CopyState.QUEUED,), CopyState.FINISHED),
+    (CopyTrigger.FAIL, (CopyState.QUEUED,), CopyState.FAILED),
+    (CopyTrigger.REAP, (CopyState.FINISHED, CopyState.FAILED), CopyState.REAPED),
+)
+"""The copy lifecycle: queued, finished or failed, then reaped (pins released)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +240,7 @@ class Lifecycle:
         try:
             return self.table[(trigger, state)]
         except KeyError:
-            raise IllegalTransition(self.name, trigger, _name(state), str(subject)) from None
+            raise IllegalTransition(self.name, _name(trigger), _name(state), str(subject)) from None
 
     def route(self, source: str, dest: str, subject: object = "") -> tuple[str, ...]:
         """Shortest trigger sequence from `source` to `dest` (empty when equal)."""
@@ -167,7 +281,7 @@ def _derive_routes(
     return routes
 
 
-def _name(state: str) -> str:
+def _name(state: str | Enum) -> str:
     return state.value if isinstance(state, Enum) else state
 
 
@@ -177,7 +291,9 @@ def _build(
     initial: str,
     transitions: Sequence[tuple[str, Sequence[str], str]],
 ) -> Lifecycle:
-    flat = tuple((t, tuple(_name(s) for s in src), _name(dst)) for t, src, dst in transitions)
+    flat = tuple(
+        (_name(t), tuple(_name(s) for s in src), _name(dst)) for t, src, dst in transitions
+    )
     life = Lifecycle(name, tuple(_name(s) for s in states), _name(initial), flat)
     machine = life.machine()
     table = _derive_table(machine, life.states, life.triggers)
@@ -187,21 +303,35 @@ def _build(
 
 
 NODE = _build("node", [s.value for s in NodeState], NodeState.CACHED.value, NODE_TRANSITIONS)
+"""The node lifecycle; `NODE.step(trigger, state)` is the O(1) transition the cache uses."""
 CHECKPOINT = _build(
     "checkpoint",
     [s.value for s in CheckpointState],
     CheckpointState.ABSENT.value,
     CHECKPOINT_TRANSITIONS,
 )
-LIFECYCLES: tuple[Lifecycle, ...] = (NODE, CHECKPOINT)
+"""The checkpoint lifecycle; `CHECKPOINT.step(trigger, state)` as for `NODE`."""
+RECEIPT = _build(
+    "receipt", [s.value for s in ReceiptState], ReceiptState.ISSUED.value, RECEIPT_TRANSITIONS
+)
+"""The pin-receipt lifecycle (`PinReceipt.state`)."""
+COPY = _build("copy", [s.value for s in CopyState], CopyState.QUEUED.value, COPY_TRANSITIONS)
+"""The copy lifecycle (`Copy.state`)."""
+LIFECYCLES: tuple[Lifecycle, ...] = (NODE, CHECKPOINT, RECEIPT, COPY)
+"""Every lifecycle, in the order the generated lifecycle page draws them."""
 
 
-def implied_node_state(*, attached: bool, leaf: bool, block_refs: int, pins: int) -> NodeState:
-    """The node state that the facts imply (DESIGN.md, "Lifecycles").
+def implied_node_state(
+    *, attached: bool, leaf: bool, block_refs: int, pins: int, root: bool = False
+) -> NodeState:
+    """The node state that the facts imply (the contract's "Lifecycles").
 
     `block_refs` is the node's KV block reference count (the trie's own reference
     included); `pins` is its checkpoint's pin count (0 without a checkpoint).
+    A namespace root is always `root`, whatever its checkpoint's pins.
     """
+    if root:
+        return NodeState.ROOT
     if not attached:
         return NodeState.FREED
     if pins > 0:
@@ -218,3 +348,12 @@ def implied_checkpoint_state(*, present: bool, published: bool, pins: int) -> Ch
     if pins > 0:
         return CheckpointState.PINNED
     return CheckpointState.PUBLISHED if published else CheckpointState.RESERVED
+
+
+def implied_copy_state(*, reaped: bool, failed: bool, moved: bool) -> CopyState:
+    """The copy state that the facts imply: reaped, else failed, else whether it moved."""
+    if reaped:
+        return CopyState.REAPED
+    if failed:
+        return CopyState.FAILED
+    return CopyState.FINISHED if moved else CopyState.QUEUED

@@ -22,87 +22,13 @@ How it is kept obviously right:
 * Every public operation validates all of its input first and decides
   whether it can succeed before it changes anything.
 
-Choices
--------
-Where `docs/semantics.md` is silent the model does the following; the cache
-must do the same for the differential test to agree.
-
-1. Validation order: arguments in signature order; for each argument its type
-   (`InvalidType`) first, then, for a sequence, liveness (`SequenceNotLive`),
-   then its value rule (`InvalidArgument`); then the operation's rules in the
-   order of the table in semantics.md; resource failures (`OutOfBlocks`) last.
-   For a token list: container type, then every element's type (`int`, not
-   `bool`), then every element `>= 0`, then (match only) non-empty.
-   (Amended by the cache author: a token is any integer, as `operator.index`
-   accepts it -- `int`, `bool`, numpy integers -- in `[0, 2**64)`; the cache
-   validates in one C pass with `array("Q", tokens)`.)
-2. A sequence of another cache raises `SequenceNotLive`; a receipt of another
-   cache raises `PinError`; `complete()` with a copy of another cache raises
-   `InvalidArgument`, with a non-copy `InvalidType`.
-3. `append(seq, [])` is allowed and changes nothing (after validation).
-4. An `extra` element is hashable when `hash(x)` succeeds; identities (and
-   checkpoint tail identities) are compared with `==`, so `1`, `True` and
-   `1.0` are the same identity. `extra=None` and `extra=(None, ...)` are the
-   same identities. `seq.extra` is stored as a tuple (or None).
-5. Roots are created by the first `match` in their namespace (after
-   validation) and never removed (`abort` keeps them). They have tick 0, draw
-   a serial from the node counter (irrelevant to eviction order: roots are
-   never evicted), and state "root". A checkpoint anchored at a root
-   (anchor 0) can be released by `evict_checkpoints` and save rule 4, never by
-   KV eviction.
-6. Fresh blocks and slots are the lowest free ids; the snapshot lists free
-   blocks and free slots in ascending order.
-7. Save rule 3 (replacing an unpinned checkpoint on the same anchor) is a
-   *replace*, not an eviction: it counts in neither `evicted_checkpoints` nor
-   `evicted_blocks`. The new checkpoint is a new object (new serial). When the
-   old one is partial and the new one aligned, the old frozen block is freed;
-   when the old one is aligned and the new one partial, a frozen block is
-   obtained as in rule 5.
-8. Frozen tail blocks freed by `evict_checkpoints` (and by save rule 4's
-   checkpoint eviction) are not counted in `evicted_blocks`; only eviction
-   that makes room for blocks (`evict`, and `_make_room` inside `allocate`,
-   `restore` and save rule 5) counts blocks, node blocks plus frozen tails, as
-   the actual growth of the free list.
-9. Save: the feasibility of rules 4 and 5 is checked first (on the unchanged
-   state); then rule 4 takes its slot (a free slot, else evicting the LRU
-   published checkpoint), and only then rule 5 takes a frozen block (a free
-   block, else `_make_room(1)`). So a frozen block freed by rule 4's
-   checkpoint eviction is used before anything else is evicted.
-9a. (Added by the cache author.) Making room for blocks (`_make_room`, used by
-   `allocate`, `restore` and save rule 5) evicts KV first, as `evict` does;
-   when KV eviction runs out, it evicts the least recent unpinned checkpoints
-   that hold a frozen tail block, until enough blocks are free. Feasibility
-   (`OutOfBlocks`, rule 5's skip) counts both.
-10. A save or restore copy of an aligned checkpoint holds no block reference;
-    of a partial one, one reference on `seq.block_ids[d]` (d = step // B), the
-    entry present when the copy is queued. A restore of a partial checkpoint
-    whose sequence already has more than `d` block-table entries uses entry
-    `d` as it is (no allocation).
-11. The resources a copy *touches* (for `complete`'s ordering): its slot, its
-    checkpoint's frozen block (if any) and the sequence block `d` (if any).
-    `complete(copy)` is transitive: each earlier pending copy that shares a
-    resource is completed first, together with its own earlier dependencies,
-    oldest first. Completing a copy that is already done (or reaped) is a
-    no-op. (As far as the model can tell, two unreaped copies share a
-    resource only when they pin the same checkpoint, so this amounts to
-    "complete every earlier copy of the same checkpoint first".)
-12. `manual_copies=False`: a copy is queued done and reaped inside the
-    `save`/`restore` that queued it (`copies_reaped += 1` there); it never
-    shows in the snapshot, and `poll()` returns 0.
-13. `pin(seq)` on a sequence whose restore checkpoint has since been released
-    (replaced or evicted) raises `IllegalTransition('checkpoint', 'pin',
-    'absent')`, even if an equal checkpoint was saved again at the same place.
-    `SequenceView.restore_checkpoint` keeps that checkpoint's id after it is
-    gone (as `spec.invariants.ssm_soundness` expects).
-14. Save rule 1 (deduplicated) and rule 2 / 4 / 5 skips change nothing but
-    their counter: no clock tick, no recency update.
-15. `abort` subtracts exactly what its `match` added (the token count at match
-    time, even after `append`); it leaves `restores` and everything else alone.
-    `release`/`abort` leave `seq.block_ids` and `seq.tokens` readable on the
-    dead sequence object; explicit receipts taken with `pin(seq)` outlive it.
-16. Snapshot ids: node ids are node serials (roots included), checkpoint ids
-    are checkpoint serials; sequence and copy ids are creation counters.
-    Node `children` are listed in id order.
+Rules
+-----
+Every rule both implementations follow is numbered once, in
+`docs/semantics.md`; this model cites them as `[R<n>]` where it implements
+them (and so does `cache/`). It builds its own keys, validation and records on
+purpose: the differential test is only worth something if the two sides share
+no code.
 """
 
 from __future__ import annotations
@@ -124,9 +50,15 @@ from spec.errors import (
 from spec.lifecycle import (
     CHECKPOINT,
     NODE,
+    RECEIPT,
     CheckpointState,
+    CheckpointTrigger,
     NodeState,
+    NodeTrigger,
+    ReceiptState,
+    ReceiptTrigger,
     implied_checkpoint_state,
+    implied_copy_state,
     implied_node_state,
 )
 from spec.snapshot import (
@@ -268,7 +200,12 @@ class ModelCopy:
         self._touches = touches
 
     def __repr__(self) -> str:
-        return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, done={self.done})"
+        return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, {self.state})"
+
+    @property
+    def state(self) -> str:
+        """The copy lifecycle state its facts imply (`spec.lifecycle.COPY`)."""
+        return implied_copy_state(reaped=self.reaped, failed=False, moved=self.done).value
 
 
 class ModelReceipt:
@@ -278,6 +215,12 @@ class ModelReceipt:
         self._owner = owner
         self._checkpoint = checkpoint
         self._used = False
+
+    @property
+    def state(self) -> str:
+        """The receipt lifecycle state (`spec.lifecycle.RECEIPT`): issued or redeemed."""
+        state = ReceiptState.REDEEMED if self._used else ReceiptState.ISSUED
+        return str(state.value)
 
 
 # --------------------------------------------------------------------------- validation
@@ -294,6 +237,7 @@ def _check_int(x: object, what: str) -> int:
 
 
 def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ...]:
+    # [R1], [R2]: container, then element types, then ranges, then non-empty.
     if not isinstance(tokens, (list, tuple)):
         raise InvalidType(
             f"{what}: tokens must be a list or tuple of int, got {type(tokens).__name__}"
@@ -308,7 +252,7 @@ def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ..
             raise InvalidArgument(f"{what}: token ids must be in [0, 2**64), got {t}")
     if nonempty and not tokens:
         raise InvalidArgument(f"{what}: tokens must be non-empty")
-    return tuple(tokens)
+    return tuple(operator.index(t) for t in tokens)  # [R5]: stored as plain ints
 
 
 def _check_namespace(namespace: object) -> str:
@@ -318,6 +262,7 @@ def _check_namespace(namespace: object) -> str:
 
 
 def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
+    # [R1], [R5]: stored as a tuple; identities compared with ==.
     if extra is None:
         return None
     if not isinstance(extra, (list, tuple)):
@@ -331,7 +276,7 @@ def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
 
 
 def _identity(extra: tuple[Hashable, ...] | None, i: int) -> Hashable:
-    """Block `i`'s extra identity (None past the end of `extra`)."""
+    """Block `i`'s extra identity (None past the end of `extra`) ([R5])."""
     if extra is None or i >= len(extra):
         return None
     return extra[i]
@@ -451,6 +396,7 @@ class ReferenceCache:
         )
 
     def _evictable_index(self) -> list[_Node]:
+        # [R10]: smallest (tick, serial) first.
         rc = self._refcounts()
         nodes = [n for n in self._nodes if self._node_state(n, rc) is NodeState.EVICTABLE]
         return sorted(nodes, key=lambda n: (n.tick, n.serial))
@@ -469,7 +415,7 @@ class ReferenceCache:
 
     # ------------------------------------------------------------------ primitive changes
 
-    def _drop_checkpoint(self, c: _Checkpoint, trigger: str) -> None:
+    def _drop_checkpoint(self, c: _Checkpoint, trigger: CheckpointTrigger) -> None:
         """Release / replace / evict a live checkpoint (frees its slot and frozen block)."""
         CHECKPOINT.step(trigger, self._checkpoint_state(c).value, f"checkpoint #{c.serial}")
         c.present = False
@@ -481,16 +427,16 @@ class ReferenceCache:
         if not index:
             return False
         node = index[0]
-        NODE.step("free", NodeState.EVICTABLE.value, f"node #{node.serial}")
+        NODE.step(NodeTrigger.FREE, NodeState.EVICTABLE.value, f"node #{node.serial}")
         if node.checkpoint is not None:
-            self._drop_checkpoint(node.checkpoint, "evict")
+            self._drop_checkpoint(node.checkpoint, CheckpointTrigger.EVICT)
             self._stats["evicted_checkpoints"] += 1
         self._nodes.remove(node)
         node.attached = False
         return True
 
     def _evict_blocks(self, n: int) -> int:
-        """KV eviction as in `evict(n)`; returns the number of blocks freed."""
+        """KV eviction as in `evict(n)` ([R23]); returns the number of blocks freed."""
         freed = 0
         while freed < n:
             before = len(self._free_block_list())
@@ -501,19 +447,20 @@ class ReferenceCache:
         return freed
 
     def _evict_checkpoints(self, n: int) -> int:
+        # [R24]: frozen blocks freed here are not counted in evicted_blocks.
         released = 0
         while released < n:
             index = self._checkpoint_index()
             if not index:
                 break
-            self._drop_checkpoint(index[0], "evict")
+            self._drop_checkpoint(index[0], CheckpointTrigger.EVICT)
             released += 1
         self._stats["evicted_checkpoints"] += released
         return released
 
     def _make_room(self, short: int) -> int:
         """Free `short` blocks for an allocation: KV eviction first; when that runs
-        out, the frozen tails of unpinned checkpoints, least recent first.
+        out, the frozen tails of unpinned checkpoints, least recent first ([R17]).
         Returns the blocks freed (possibly fewer)."""
         freed = self._evict_blocks(short)
         while freed < short:
@@ -521,7 +468,7 @@ class ReferenceCache:
             if not holders:
                 break
             before = len(self._free_block_list())
-            self._drop_checkpoint(holders[0], "evict")
+            self._drop_checkpoint(holders[0], CheckpointTrigger.EVICT)
             self._stats["evicted_checkpoints"] += 1
             gained = len(self._free_block_list()) - before
             self._stats["evicted_blocks"] += gained
@@ -529,7 +476,7 @@ class ReferenceCache:
         return freed
 
     def _reclaimable(self) -> int:
-        """Blocks `_make_room` could free (simulated on a deep copy)."""
+        """Blocks `_make_room` could free (simulated on a deep copy) ([R16])."""
         sim = _copylib.deepcopy(self)
         return sim._make_room(self._num_blocks + 1)
 
@@ -538,7 +485,8 @@ class ReferenceCache:
         return free >= need or free + self._reclaimable() >= need
 
     def _get_blocks(self, need: int) -> list[int]:
-        """Evict until `need` blocks are free and return them (caller checked feasibility)."""
+        """Evict until `need` blocks are free and return the lowest free ids ([R10])
+        (the caller checked feasibility)."""
         free = len(self._free_block_list())
         if free < need:
             self._make_room(need - free)
@@ -547,7 +495,7 @@ class ReferenceCache:
         return blocks
 
     def _grow(self, seq: ModelSequence, need: int) -> None:
-        if not self._can_get_blocks(need):
+        if not self._can_get_blocks(need):  # [R16], [R6]: nothing changed
             raise OutOfBlocks(
                 f"sequence #{seq._id} needs {need} blocks; {len(self._free_block_list())} free "
                 f"and not enough evictable"
@@ -555,6 +503,7 @@ class ReferenceCache:
         seq.block_ids.extend(self._get_blocks(need))
 
     def _queue_copy(self, kind: str, checkpoint: _Checkpoint, seq_block: int | None) -> ModelCopy:
+        # [R35]: holds a reference on the sequence block d; [R36]: what it touches.
         touches = {("slot", checkpoint.slot)}
         if checkpoint.frozen_block is not None:
             touches.add(("block", checkpoint.frozen_block))
@@ -574,7 +523,7 @@ class ReferenceCache:
         return cp
 
     def _settle(self, cp: ModelCopy) -> None:
-        """With `manual_copies=False` a copy is done when queued and reaped at once."""
+        """With `manual_copies=False` a copy is done when queued and reaped at once ([R37])."""
         if not self._manual:
             cp.done = True
             self._reap(cp)
@@ -587,6 +536,7 @@ class ReferenceCache:
     # ------------------------------------------------------------------ argument checks
 
     def _check_seq(self, seq: object, op: str) -> ModelSequence:
+        # [R3]: type, then owner, then liveness.
         if not isinstance(seq, ModelSequence):
             raise InvalidType(f"{op}: expected a sequence of this cache, got {type(seq).__name__}")
         if seq._owner is not self:
@@ -608,11 +558,11 @@ class ReferenceCache:
         ext = _check_extra(extra)
         B = self._B
         root = self._roots.get(ns)
-        if root is None:
+        if root is None:  # [R11]
             self._node_serial += 1
             root = _Node(self._node_serial, ns, None, None, None, 0)
             self._roots[ns] = root
-        walked: list[_Node] = []
+        walked: list[_Node] = []  # [R12]
         node = root
         for i in range(len(toks) // B):
             child = self._child(node, self._key(toks, ext, i))
@@ -626,7 +576,7 @@ class ReferenceCache:
         self._seq_counter += 1
         seq = ModelSequence(self, self._seq_counter, toks, ns, ext)
         seq.branch_step = kv_depth * B
-        if self._num_slots == 0:
+        if self._num_slots == 0:  # [R13]
             seq._path = walked[:limit]
             seq.num_cached_tokens = limit * B
         else:
@@ -646,7 +596,11 @@ class ReferenceCache:
                     c.tail != toks[d * B : c.step] or c.tail_extra != _identity(ext, d)
                 ):
                     continue
-                CHECKPOINT.step("pin", self._checkpoint_state(c).value, f"checkpoint #{c.serial}")
+                CHECKPOINT.step(
+                    CheckpointTrigger.PIN,
+                    self._checkpoint_state(c).value,
+                    f"checkpoint #{c.serial}",
+                )
                 seq._path = walked[:d]
                 seq.num_cached_tokens = c.step
                 seq.restore = ModelRestore(c)
@@ -654,7 +608,7 @@ class ReferenceCache:
                 break
         seq.block_ids = [n.block for n in seq._path if n.block is not None]
         seq.num_committed_tokens = seq.num_cached_tokens
-        seq._match_stats = {
+        seq._match_stats = {  # [R14]
             "queries": 1,
             "query_tokens": len(toks),
             "hit_tokens": seq.num_cached_tokens,
@@ -668,7 +622,7 @@ class ReferenceCache:
     def append(self, seq: ModelSequence, tokens: Sequence[int]) -> None:
         s = self._check_seq(seq, "append")
         toks = _check_tokens(tokens, "append", nonempty=False)
-        s.tokens = s.tokens + toks
+        s.tokens = s.tokens + toks  # [R4]: an empty append changes nothing
 
     def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
         s = self._check_seq(seq, "allocate")
@@ -678,7 +632,7 @@ class ReferenceCache:
                 f"allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, "
                 f"got {n}"
             )
-        need = -(-n // self._B) - len(s.block_ids)
+        need = -(-n // self._B) - len(s.block_ids)  # [R15]
         if need <= 0:
             return
         self._grow(s, need)
@@ -693,34 +647,34 @@ class ReferenceCache:
                 f"commit: num_tokens must be in [{s.num_committed_tokens}, {high}] for "
                 f"sequence #{s._id}, got {n}"
             )
-        self._clock += 1
+        self._clock += 1  # [R7]
         tick = self._clock
         parent = s._path[-1] if s._path else self._roots[s.namespace]
         for i in range(len(s._path), n // self._B):
             key = self._key(s.tokens, s.extra, i)
             child = self._child(parent, key)
-            if child is not None:
+            if child is not None:  # [R18]
                 assert child.block is not None
                 s.block_ids[i] = child.block  # drops the private block, takes the node's
-            else:
+            else:  # [R19]
                 self._node_serial += 1
                 child = _Node(self._node_serial, s.namespace, parent, key, s.block_ids[i], tick)
                 self._nodes.append(child)
-            child.tick = tick
+            child.tick = tick  # [R8]
             s._path.append(child)
             parent = child
         s.num_committed_tokens = n
 
     def release(self, seq: ModelSequence) -> None:
         s = self._check_seq(seq, "release")
-        self._clock += 1
+        self._clock += 1  # [R20], [R8]
         for node in s._path:
             node.tick = self._clock
         self._end(s)
 
     def abort(self, seq: ModelSequence) -> None:
         s = self._check_seq(seq, "abort")
-        for name, value in s._match_stats.items():
+        for name, value in s._match_stats.items():  # [R21], [R42]
             self._stats[name] -= value
         self._end(s)
 
@@ -754,46 +708,46 @@ class ReferenceCache:
         tail = s.tokens[d * B : st]
         tail_extra = _identity(s.extra, d) if partial else None
         old = anchor.checkpoint
-        # 1. the same checkpoint exists
+        # [R25] the same checkpoint exists
         if old is not None and (old.step, old.tail, old.tail_extra) == (st, tail, tail_extra):
             self._stats["checkpoints_deduplicated"] += 1
             return None
-        # 2. a pinned checkpoint is never replaced
+        # [R26] a pinned checkpoint is never replaced
         if old is not None and self._pin_count(old) > 0:
             self._stats["checkpoints_skipped"] += 1
             return None
         reuse_frozen = old is not None and partial and old.frozen_block is not None
-        # 4. (check) a slot: free, or the LRU published checkpoint's
+        # [R30] feasibility first. [R28] (check) a slot: free, or the LRU published one's
         if old is None and not self._free_slot_list() and not self._checkpoint_index():
             self._stats["checkpoints_skipped"] += 1
             return None
-        # 5. (check, before 4 evicts anything) a frozen block: free, or by KV eviction
+        # [R29] (check, before [R28] evicts anything) a frozen block: free, or by making room
         if partial and not reuse_frozen and not self._can_get_blocks(1):
             self._stats["checkpoints_skipped"] += 1
             return None
-        # 3. / 4. take the slot
+        # [R27] / [R28] take the slot
         frozen: int | None = None
         if old is not None:
             slot = old.slot
             if reuse_frozen:
                 frozen = old.frozen_block
-            self._drop_checkpoint(old, "replace")
+            self._drop_checkpoint(old, CheckpointTrigger.REPLACE)
         else:
             free_slots = self._free_slot_list()
             if not free_slots:
                 self._evict_checkpoints(1)
                 free_slots = self._free_slot_list()
             slot = free_slots[0]
-        # 5. take the frozen block
+        # [R29] take the frozen block
         if partial and frozen is None:
             frozen = self._get_blocks(1)[0]
-        self._clock += 1
+        self._clock += 1  # [R31], [R9]
         self._ckpt_serial += 1
         c = _Checkpoint(self._ckpt_serial, anchor, st, tail, tail_extra, slot, frozen, self._clock)
-        CHECKPOINT.step("reserve", CheckpointState.ABSENT.value)
+        CHECKPOINT.step(CheckpointTrigger.RESERVE, CheckpointState.ABSENT.value)
         anchor.checkpoint = c
         cp = self._queue_copy("save", c, s.block_ids[d] if partial else None)
-        CHECKPOINT.step("publish", CheckpointState.RESERVED.value)
+        CHECKPOINT.step(CheckpointTrigger.PUBLISH, CheckpointState.RESERVED.value)
         c.published = True
         self._stats["checkpoints_saved"] += 1
         self._settle(cp)
@@ -807,16 +761,18 @@ class ReferenceCache:
             raise CheckpointError(f"restore: sequence #{s._id} was already restored")
         c = s.restore._checkpoint
         if not c.present:  # unreachable: the match pin keeps it
-            CHECKPOINT.step("pin", CheckpointState.ABSENT.value, f"checkpoint #{c.serial}")
+            CHECKPOINT.step(
+                CheckpointTrigger.PIN, CheckpointState.ABSENT.value, f"checkpoint #{c.serial}"
+            )
         d = c.step // self._B
         partial = c.step % self._B != 0
-        if partial and s.num_committed_tokens >= (d + 1) * self._B:
+        if partial and s.num_committed_tokens >= (d + 1) * self._B:  # [R32]
             raise CheckpointError(
                 f"restore: sequence #{s._id} already committed block {d}, the frozen tail's target"
             )
-        if partial and len(s.block_ids) <= d:
+        if partial and len(s.block_ids) <= d:  # [R33]
             self._grow(s, d + 1 - len(s.block_ids))
-        self._clock += 1
+        self._clock += 1  # [R34], [R9]
         c.tick = self._clock
         cp = self._queue_copy("restore", c, s.block_ids[d] if partial else None)
         s._holds_match_pin = False  # the match pin moves to the copy
@@ -838,6 +794,7 @@ class ReferenceCache:
         return self._evict_checkpoints(k)
 
     def poll(self) -> int:
+        # [R35]: reaping releases the copy's pins and references.
         finished = [cp for cp in self._copies if cp.done]
         for cp in finished:
             self._reap(cp)
@@ -849,7 +806,8 @@ class ReferenceCache:
             raise CheckpointError(f"pin: sequence #{s._id} has no restore checkpoint")
         c = s.restore._checkpoint
         state = self._checkpoint_state(c)
-        CHECKPOINT.step("pin", state.value, f"checkpoint #{c.serial}")
+        # [R39]; [R41]: a released checkpoint cannot be pinned.
+        CHECKPOINT.step(CheckpointTrigger.PIN, state.value, f"checkpoint #{c.serial}")
         receipt = ModelReceipt(self, c)
         self._receipts.append(receipt)
         return receipt
@@ -863,6 +821,7 @@ class ReferenceCache:
             raise PinError(
                 f"unpin: the receipt on checkpoint #{receipt._checkpoint.serial} was already used"
             )
+        RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, "pin receipt")  # [R40]
         receipt._used = True
         self._receipts.remove(receipt)
 
@@ -879,6 +838,7 @@ class ReferenceCache:
         self._complete(copy)
 
     def _complete(self, copy: ModelCopy) -> None:
+        # [R36]: earlier pending copies sharing a resource complete first.
         for earlier in self._copies:
             if earlier is copy:
                 break
@@ -907,6 +867,7 @@ class ReferenceCache:
         return dict(self._stats)
 
     def snapshot(self) -> Snapshot:
+        # [R43] ids; [R44] counts are derived from holders.
         rc = self._refcounts()
         all_nodes = sorted([*self._roots.values(), *self._nodes], key=lambda n: n.serial)
         nodes: dict[int, NodeView] = {}
@@ -919,7 +880,7 @@ class ReferenceCache:
                 key=n.key,
                 block=n.block,
                 children=sorted(c.serial for c in self._children(n)),
-                state="root" if is_root else self._node_state(n, rc).value,
+                state=NodeState.ROOT.value if is_root else self._node_state(n, rc).value,
                 tick=n.tick,
                 serial=n.serial,
                 checkpoint=None if n.checkpoint is None else n.checkpoint.serial,
@@ -958,6 +919,7 @@ class ReferenceCache:
                 blocks=list(cp._blocks),
                 pins=[c.serial for c in cp._pins],
                 done=cp.done,
+                state=cp.state,
             )
             for cp in self._copies
         }
@@ -978,5 +940,6 @@ class ReferenceCache:
             evictable_index=[n.serial for n in self._evictable_index()],
             checkpoint_index=[c.serial for c in self._checkpoint_index()],
             event_blocks=None,
+            event_checkpoint_slots=None,
             stats=stats,
         )

@@ -22,7 +22,7 @@ class NodeView(TypedDict):
     key: tuple[tuple[int, ...], Hashable] | None  # (block tokens, block extra identity)
     block: int | None
     children: list[int]
-    state: str  # stored lifecycle state ("cached", "evictable", "pinned"); roots: "root"
+    state: str  # stored `spec.lifecycle.NodeState` value (roots: `NodeState.ROOT`)
     tick: int
     serial: int
     checkpoint: int | None
@@ -63,7 +63,8 @@ class CopyView(TypedDict):
     kind: str  # "save" | "restore"
     blocks: list[int]  # block references it holds
     pins: list[int]  # checkpoint ids it holds one receipt on, each
-    done: bool
+    done: bool  # no longer pending: finished or failed
+    state: str  # stored `spec.lifecycle.CopyState` value (never "reaped": reaped copies go)
 
 
 class Snapshot(TypedDict):
@@ -84,6 +85,8 @@ class Snapshot(TypedDict):
     evictable_index: list[int]  # node ids, in eviction order
     checkpoint_index: list[int]  # checkpoint ids, in eviction order
     event_blocks: set[int] | None  # blocks cached according to the emitted events
+    # checkpoint slots published according to the emitted checkpoint events (None: not emitted)
+    event_checkpoint_slots: set[int] | None
     stats: dict[str, Any]
 
 
@@ -133,7 +136,7 @@ def observe(snap: Snapshot) -> dict[str, Any]:
             key=repr,  # extra identities may mix None and other types
         ),
         "copies": sorted(
-            (c["kind"], len(c["blocks"]), len(c["pins"]), c["done"])
+            (c["kind"], len(c["blocks"]), len(c["pins"]), c["state"])
             for c in snap["copies"].values()
         ),
         "stats": dict(snap["stats"]),

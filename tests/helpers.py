@@ -11,7 +11,8 @@ from spec.snapshot import Snapshot
 
 
 def kv_trie(num_blocks: int = 16, block_size: int = 4, **overrides: Any) -> BlockTrie:
-    """An attention-only trie with a tiny KV tensor."""
+    """An attention-only trie with a tiny KV tensor (events on, so `check()` replays them)."""
+    overrides.setdefault("enable_events", True)
     config = CacheConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -26,6 +27,7 @@ def ssm_trie(
     num_blocks: int = 16, slots: int = 4, block_size: int = 4, manual: bool = True, **kw: Any
 ) -> tuple[BlockTrie, ManualCopies | None]:
     """An SSM trie with tiny KV and state tensors; ManualCopies unless manual=False."""
+    kw.setdefault("enable_events", True)
     config = CacheConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -67,4 +69,4 @@ def serve(trie: BlockTrie, tokens: list[int], namespace: str = "", extra: Any = 
 
 def frozen(snap: Snapshot) -> dict[str, Any]:
     """Everything in a snapshot that a failed or undone operation must leave as it was."""
-    return {k: v for k, v in snap.items() if k != "event_blocks"}
+    return {k: v for k, v in snap.items() if k not in ("event_blocks", "event_checkpoint_slots")}

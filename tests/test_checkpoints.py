@@ -65,7 +65,7 @@ def test_evicting_a_pinned_node_is_an_illegal_transition() -> None:
     trie.release(seq)
     node = next(iter(trie._roots[""].children.values()))
     with pytest.raises(IllegalTransition):
-        trie._free_node(node)  # what lmdeploy's eviction did
+        trie._evictor._free(node)  # what lmdeploy's eviction did
     trie.check()
 
 
@@ -496,6 +496,7 @@ def test_allocate_reclaims_frozen_tails_of_unpinned_checkpoints() -> None:
 def test_collect_looks_at_each_copy_once() -> None:
     """A copy whose event completes while `collect` runs must be reaped then or later."""
     from cache.copies import Copy, CopyEngine
+    from spec.lifecycle import CopyTrigger
 
     class Flaky(CopyEngine):
         def _start(self, copy: Copy) -> None:
@@ -503,7 +504,7 @@ def test_collect_looks_at_each_copy_once() -> None:
 
     engine = Flaky()
     finished = Copy("save", 1, [], [], 1)
-    finished._finished = True
+    finished.fire(CopyTrigger.FINISH)
     racing = Copy("save", 2, [], [], 2)
     engine.queue(finished)
     engine.queue(racing)

@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 
 from cache import BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
 from spec import invariants
+from spec.lifecycle import CopyState, ReceiptState
 from spec.model import ReferenceCache
 from spec.snapshot import observe
 
@@ -101,6 +102,7 @@ class CacheVersusModel(RuleBasedStateMachine):
                 state_dtype=torch.float64,
                 device=self.device,
                 key_hash=(lambda key: 0) if collide else None,
+                enable_events=True,  # so check() also replays them (invariant 10)
             ),
             copies=self.manual,
         )
@@ -322,6 +324,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         if out is None:
             return multiple()
         pair = Pair(*out)
+        assert pair.real.state == pair.model.state == ReceiptState.ISSUED
         self.open_receipts[id(pair.real)] = pair
         return pair
 
@@ -330,6 +333,9 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert isinstance(receipt.real, PinReceipt)
         self.both(lambda: self.cache.unpin(receipt.real), lambda: self.model.unpin(receipt.model))
         self.open_receipts.pop(id(receipt.real), None)
+        # The receipt lifecycle: whatever happened, both agree, and a used one is redeemed.
+        assert receipt.real.state == receipt.model.state
+        assert receipt.real.state == ReceiptState.REDEEMED
 
     @rule(receipt=receipts)
     def unpin_twice_is_refused(self, receipt: Pair) -> None:
@@ -341,6 +347,9 @@ class CacheVersusModel(RuleBasedStateMachine):
     @rule(copy=consumes(copies))
     def complete_one_copy(self, copy: Pair) -> None:
         self.both(lambda: self.manual.complete(copy.real), lambda: self.model.complete(copy.model))
+        # The copy lifecycle: finished (or already reaped), the same in both.
+        assert copy.real.state == copy.model.state
+        assert copy.real.state in (CopyState.FINISHED, CopyState.REAPED)
         self._check_restored_data()
 
     @rule()

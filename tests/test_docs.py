@@ -45,3 +45,71 @@ def test_readme_usage_example_runs() -> None:
     trie = namespace["trie"]
     trie.check()  # type: ignore[attr-defined]
     assert trie.num_cached_blocks == 6  # type: ignore[attr-defined]
+
+
+_RULE_DEFINED = re.compile(r"^\*\*\[R(\d+)\]\*\*", re.M)
+_RULE_CITED = re.compile(r"\[R(\d+)\]")
+
+
+def _cited_rules(*roots: Path) -> dict[int, list[str]]:
+    cited: dict[int, list[str]] = {}
+    for root in roots:
+        files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+        for path in files:
+            for number in _RULE_CITED.findall(path.read_text()):
+                cited.setdefault(int(number), []).append(str(path.relative_to(ROOT)))
+    return cited
+
+
+def _defined_rules() -> list[int]:
+    return [int(n) for n in _RULE_DEFINED.findall((ROOT / "docs" / "semantics.md").read_text())]
+
+
+def test_operation_rules_are_numbered_once_and_every_one_is_cited() -> None:
+    """docs/semantics.md numbers each rule once; code cites `[R<n>]`: no citation
+    may name a rule that does not exist, and no rule may go uncited."""
+    text = (ROOT / "docs" / "semantics.md").read_text()
+    defined = _defined_rules()
+    assert defined, "docs/semantics.md defines no numbered rule"
+    assert len(defined) == len(set(defined)), "a rule number is defined twice"
+    assert defined == list(range(1, len(defined) + 1)), "rule numbers must run 1..n in order"
+    in_docs = {int(n) for n in _RULE_CITED.findall(text)}
+    assert in_docs <= set(defined), (
+        f"semantics.md refers to undefined rules {in_docs - set(defined)}"
+    )
+    cited = _cited_rules(ROOT / "cache", ROOT / "spec")
+    unknown = {n: where for n, where in cited.items() if n not in defined}
+    assert not unknown, f"code cites rules that docs/semantics.md does not define: {unknown}"
+    uncited = [n for n in defined if n not in cited]
+    assert not uncited, f"rules no code cites: {uncited}"
+
+
+def test_both_implementations_cite_the_shared_rules() -> None:
+    """The reference model and the cache each cite every rule they both implement."""
+    cache_rules = set(_cited_rules(ROOT / "cache"))
+    model_rules = set(_cited_rules(ROOT / "spec" / "model.py"))
+    # Rules only the cache has: the model has no clear(), no copy that fails
+    # when queued, and no threads.
+    cache_only = {22, 38, 45}
+    defined = set(_defined_rules())
+    assert cache_only <= defined
+    missing_in_model = sorted(defined - model_rules - cache_only)
+    assert not missing_in_model, f"spec/model.py cites none of rules {missing_in_model}"
+    missing_in_cache = sorted(defined - cache_rules)
+    assert not missing_in_cache, f"cache/ cites none of rules {missing_in_cache}"
+
+
+def test_core_has_no_lifecycle_literals() -> None:
+    """Lifecycle states and triggers are named through the spec's enums in cache/:
+    a quoted state or trigger name would be a rule restated outside the spec."""
+    from spec.lifecycle import LIFECYCLES
+
+    names = {s for life in LIFECYCLES for s in (*life.states, *life.triggers)}
+    alternatives = "|".join(sorted(names))
+    pattern = re.compile(rf"""["']({alternatives})["']""")
+    offenders = []
+    for path in sorted((ROOT / "cache").glob("*.py")):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.name}:{lineno}: {line.strip()}")
+    assert not offenders, "lifecycle literals in cache/:\n" + "\n".join(offenders)

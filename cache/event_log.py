@@ -1,0 +1,181 @@
+"""The event log: what the trie tells the outside world about its cached blocks.
+
+Owns the list of emitted-but-undrained events and, for `check()`, the block set
+that the drained events replayed to, so invariant 10 ("replaying the events
+yields exactly the cached block set") can be checked at any time. When events
+are disabled every `emit_*` is a no-op and nothing accumulates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from cache.events import (
+    CHECKPOINT_GROUP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    checkpoint_removed,
+    checkpoint_stored,
+    replay,
+)
+
+if TYPE_CHECKING:
+    from cache.block_hash import BlockHasher, ChainFn
+    from cache.node import Checkpoint, Node
+
+
+class EventLog:
+    """Emitted events until drained. Single-threaded, like the trie that owns it.
+
+    With events on it also owns the block hasher (`cache.block_hash`): `root`
+    and `chain` give the stable chained hashes that nodes and checkpoints
+    carry, so events name blocks the same way in every process and replica.
+    """
+
+    __slots__ = (
+        "_drained_checkpoints",
+        "_drained_view",
+        "_events",
+        "chain",
+        "enabled",
+        "hasher",
+    )
+
+    def __init__(self, enabled: bool, scheme: str = "xxh3", seed: int = 0) -> None:
+        self.enabled = enabled
+        self._events: list[Event] = []
+        self._drained_view: set[int] = set()
+        self._drained_checkpoints: set[int] = set()
+        self.hasher: BlockHasher | None = None
+        self.chain: ChainFn | None = None
+        if enabled:
+            from cache.block_hash import BlockHasher
+
+            self.hasher = BlockHasher(scheme, seed)
+            self.chain = self.hasher.chain_fn
+
+    def root_hash(self, namespace: str) -> int:
+        """The chain seed of `namespace` (0 with events off)."""
+        return self.hasher.root(namespace) if self.hasher is not None else 0
+
+    @contextmanager
+    def muted(self) -> Iterator[None]:
+        """Emit nothing inside the block (`clear` emits one `AllBlocksCleared` instead)."""
+        enabled = self.enabled
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
+    def stored(self, nodes: Sequence[Node], block_size: int) -> None:
+        """One `BlockStored` for a chain of nodes attached by one commit, parent first."""
+        if not self.enabled or not nodes:
+            return
+        parent = nodes[0].parent
+        namespace = nodes[0].namespace
+        keys = None
+        if namespace or any(nd.extra is not None for nd in nodes):
+            from cache.block_hash import extra_keys
+
+            keys = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(nd.block_hash for nd in nodes),
+                block_ids=tuple(nd.block for nd in nodes),
+                parent_block_hash=(
+                    None if parent is None or parent.block < 0 else parent.block_hash
+                ),
+                token_ids=tuple(t for nd in nodes for t in nd.tokens),
+                block_size=block_size,
+                namespace=namespace,
+                extra_keys=keys,
+            )
+        )
+
+    def removed(self, nodes: Sequence[Node]) -> None:
+        """One `BlockRemoved` per run of evicted nodes from the same namespace."""
+        if not self.enabled or not nodes:
+            return
+        start = 0
+        for i in range(1, len(nodes) + 1):
+            if i == len(nodes) or nodes[i].namespace != nodes[start].namespace:
+                run = nodes[start:i]
+                self._events.append(
+                    BlockRemoved(
+                        tuple(nd.block_hash for nd in run),
+                        tuple(nd.block for nd in run),
+                        run[0].namespace,
+                    )
+                )
+                start = i
+
+    def checkpoint_published(self, ck: Checkpoint, block_size: int) -> None:
+        """`ck` became matchable: a `BlockStored` in the checkpoint group.
+
+        At a block boundary the checkpoint is named by the KV block it ends at;
+        with a partial tail, by the tail's hash chained under its anchor
+        (`cache.events.checkpoint_stored`). The hash is kept on `ck` for its
+        removal.
+        """
+        if not self.enabled or self.chain is None:
+            return
+        anchor = ck.anchor
+        if ck.tail:
+            ck.block_hash = self.chain(anchor.block_hash, ck.tail, ck.tail_extra, anchor.namespace)
+            parent_hash = None if anchor.block < 0 else anchor.block_hash
+            tokens, extra = ck.tail, ck.tail_extra
+        else:
+            ck.block_hash = anchor.block_hash
+            parent = anchor.parent
+            parent_hash = None if parent is None or parent.block < 0 else parent.block_hash
+            tokens, extra = anchor.tokens, anchor.extra
+        from cache.block_hash import extra_keys
+
+        self._events.append(
+            checkpoint_stored(
+                ck.block_hash,
+                ck.slot,
+                parent_hash,
+                tokens,
+                block_size,
+                anchor.namespace,
+                extra_keys=extra_keys(extra, anchor.namespace),
+            )
+        )
+
+    def checkpoint_dropped(self, ck: Checkpoint) -> None:
+        """A published `ck` was released, replaced or evicted: a `BlockRemoved`."""
+        if self.enabled:
+            self._events.append(
+                checkpoint_removed((ck.block_hash,), (ck.slot,), ck.anchor.namespace)
+            )
+
+    def cleared(self) -> None:
+        """`AllBlocksCleared`: every cached block was dropped."""
+        if self.enabled:
+            self._events.append(AllBlocksCleared())
+
+    def drain(self) -> list[Event]:
+        """Return and forget the events emitted since the last drain."""
+        events = self._events
+        self._events = []
+        replay(events, self._drained_view)
+        replay(events, self._drained_checkpoints, group_idx=CHECKPOINT_GROUP)
+        return events
+
+    def replayed_blocks(self) -> set[int] | None:
+        """The block set all events so far replay to (None when events are off)."""
+        if not self.enabled:
+            return None
+        return replay(self._events, set(self._drained_view))
+
+    def replayed_checkpoint_slots(self) -> set[int] | None:
+        """The checkpoint slots all events so far replay to (None when events are off)."""
+        if not self.enabled:
+            return None
+        return replay(self._events, set(self._drained_checkpoints), group_idx=CHECKPOINT_GROUP)

@@ -1,0 +1,198 @@
+"""KV eviction: the one module that decides what leaves the trie and when.
+
+`Evictor` owns
+- the eviction index: an `LRUIndex` holding *exactly* the nodes in state
+  `evictable` (invariant 7), ordered by `(tick, serial)` ([R10]);
+- the block -> owning node map, so a reference dropped anywhere (a sequence
+  release, a reaped copy) settles the right node;
+- settling a node: its state changes only here, to the state
+  `spec.lifecycle.implied_node_state` implies, through the spec's routes;
+  entering or leaving `evictable` is what adds or removes it from the index;
+- freeing a node (`NODE` trigger `free`, illegal from anything but
+  `evictable`: evicting a pinned node raises, it is not a missed `if`);
+- making room for an allocation: the reclaim cascade ([R16], [R17]) — KV
+  leaves first, the parents that become evictable on the way, then the
+  frozen tails of unpinned checkpoints — with feasibility decided before
+  anything is evicted.
+
+It must not take blocks from the pool, touch sequences, or change a
+checkpoint except by evicting it through the `CheckpointStore`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cache.event_log import EventLog
+from cache.kv_pool import KVBlockPool
+from cache.lru import LRUIndex
+from cache.node import Node
+from cache.stats import CacheStats
+from spec.errors import InvariantViolation, OutOfBlocks
+from spec.lifecycle import NODE, CheckpointTrigger, NodeState, NodeTrigger, implied_node_state
+
+if TYPE_CHECKING:
+    from cache.checkpoints import CheckpointStore
+
+_EVICTABLE = NodeState.EVICTABLE.value
+
+
+class Evictor:
+    """The eviction index and everything that changes a node's lifecycle state."""
+
+    __slots__ = ("_events", "_kv", "_stats", "checkpoints", "index", "num_cached", "owner")
+
+    def __init__(
+        self, kv: KVBlockPool, checkpoints: CheckpointStore, stats: CacheStats, events: EventLog
+    ) -> None:
+        self._kv = kv
+        self._stats = stats
+        self._events = events
+        self.checkpoints = checkpoints
+        self.index: LRUIndex[Node] = LRUIndex()
+        self.owner: list[Node | None] = [None] * kv.capacity
+        self.num_cached = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def adopt(self, node: Node) -> None:
+        """`node` was just attached owning its block (state `cached`)."""
+        self.owner[node.block] = node
+        self.num_cached += 1
+
+    def settle(self, node: Node) -> None:
+        """Move `node` to the state its facts imply, through the spec's routes."""
+        if node.block < 0:
+            return  # a root: always `root`
+        ck = node.checkpoint
+        implied = implied_node_state(
+            attached=True,
+            leaf=not node.children,
+            block_refs=self._kv.refs[node.block],
+            pins=ck.pins if ck is not None else 0,
+        )
+        state = node.state
+        if implied == state:
+            return
+        for trigger in NODE.route(state, implied, node):
+            state = NODE.step(trigger, state, node)
+        if node.state == _EVICTABLE:
+            self.index.remove(node)
+        node.state = state
+        if state == _EVICTABLE:
+            self.index.add(node)
+
+    def settle_block(self, block: int) -> None:
+        """Settle the node owning `block`, if any (a reference to it was dropped)."""
+        owner = self.owner[block]
+        if owner is not None:
+            self.settle(owner)
+
+    # ------------------------------------------------------------- eviction
+
+    def evict(self, n: int) -> int:
+        """Evict LRU evictable leaves until `n` KV blocks are freed ([R23]).
+
+        Returns the blocks freed (node blocks plus frozen tails of their
+        checkpoints), counted in `stats.evicted_blocks`.
+        """
+        freed = 0
+        index = self.index
+        removed: list[Node] | None = [] if self._events.enabled else None
+        while freed < n and index:
+            node = index.oldest()
+            freed += self._free(node)
+            if removed is not None:
+                removed.append(node)
+        if removed:
+            self._events.removed(removed)
+        self._stats.evicted_blocks += freed
+        return freed
+
+    def _free(self, node: Node) -> int:
+        """Detach an evictable leaf and release its block and checkpoint."""
+        freed_state = NODE.step(NodeTrigger.FREE, node.state, node)
+        self.index.remove(node)
+        freed = 0
+        ck = node.checkpoint
+        if ck is not None:
+            freed += self.checkpoints.drop(ck, CheckpointTrigger.EVICT)
+            self._stats.evicted_checkpoints += 1
+        parent = node.parent
+        if parent is None:
+            raise InvariantViolation("topology", f"evictable {node!r} has no parent")
+        del parent.children[node.key]
+        node.state = freed_state
+        node.parent = None
+        self.owner[node.block] = None
+        self.num_cached -= 1
+        if self._kv.decref(node.block):
+            freed += 1
+        self.settle(parent)
+        return freed
+
+    # ------------------------------------------------------------ make room
+
+    def make_room(self, need: int) -> None:
+        """Make `need` blocks free ([R17]): KV eviction first, then the frozen
+        tails of unpinned checkpoints. Raises `OutOfBlocks`, changing nothing,
+        when even that cannot free enough ([R16])."""
+        kv = self._kv
+        short = need - kv.num_free
+        if short <= 0:
+            return
+        if not self.room_possible(short):
+            raise OutOfBlocks(
+                f"need {need} KV blocks: {kv.num_free} free and fewer than {short} "
+                f"reclaimable by eviction (capacity {kv.capacity})"
+            )
+        freed = self.evict(short)
+        if freed < short:
+            self._stats.evicted_blocks += self.checkpoints.evict_frozen_tails(short - freed)
+
+    def room_possible(self, short: int) -> bool:
+        """Whether `make_room` can free `short` more blocks (no change made)."""
+        # Each evictable leaf frees at least its own block; count deeper only when short.
+        if len(self.index) >= short or self._reclaimable(short) >= short:
+            return True
+        doomed: set[int] = set()
+        total = self._reclaimable(self._kv.capacity + 1, doomed)
+        total += sum(1 for ck in self.checkpoints.frozen_tails() if ck.anchor.serial not in doomed)
+        return total >= short
+
+    def _reclaimable(self, limit: int, doomed: set[int] | None = None) -> int:
+        """KV blocks that evictions could free, counted up to `limit` (no change made).
+
+        With `doomed`, the serials of the nodes counted are added to it.
+        """
+        refs = self._kv.refs
+        count = 0
+        gone: dict[int, int] = {}
+        for leaf in self.index.unordered():  # any order counts the same cascade
+            node: Node | None = leaf
+            while node is not None and count < limit:
+                count += 1
+                if doomed is not None:
+                    doomed.add(node.serial)
+                ck = node.checkpoint
+                if ck is not None and ck.frozen_block is not None:
+                    count += 1
+                parent = node.parent
+                if parent is None or parent.block < 0:
+                    break
+                seen = gone.get(parent.serial, 0) + 1
+                gone[parent.serial] = seen
+                pck = parent.checkpoint
+                # Would the parent be evictable once all counted children are gone?
+                after = implied_node_state(
+                    attached=True,
+                    leaf=seen == len(parent.children),
+                    block_refs=refs[parent.block],
+                    pins=pck.pins if pck is not None else 0,
+                )
+                if after != _EVICTABLE:
+                    break
+                node = parent
+            if count >= limit:
+                break
+        return count

@@ -1,0 +1,103 @@
+"""Inspection: the whole cache as plain data, and every spec invariant checked on it.
+
+`snapshot` reads a `BlockTrie` (never changes it) into the neutral
+`spec.snapshot.Snapshot` that the reference model also produces, so the same
+predicates (`spec.invariants`) check both, and `observe` compares them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spec import invariants
+from spec.snapshot import CheckpointView, CopyView, NodeView, SequenceView, Snapshot
+
+if TYPE_CHECKING:
+    from cache.node import Node
+    from cache.trie import BlockTrie
+
+
+def snapshot(trie: BlockTrie) -> Snapshot:
+    """The whole of `trie` as plain data (ids as in [R43])."""
+    nodes: dict[int, NodeView] = {}
+    checkpoints: dict[int, CheckpointView] = {}
+    stack: list[Node] = list(trie._roots.values())
+    while stack:
+        node = stack.pop()
+        nid = node.serial
+        ck = node.checkpoint
+        nodes[nid] = {
+            "namespace": node.namespace,
+            "parent": None if node.parent is None else node.parent.serial,
+            "depth": node.depth,
+            "key": None if node.block < 0 else (node.tokens, node.extra),
+            "block": None if node.block < 0 else node.block,
+            "children": [c.serial for c in node.children.values()],
+            "state": node.state,
+            "tick": node.tick,
+            "serial": node.serial,
+            "checkpoint": None if ck is None else ck.serial,
+        }
+        if ck is not None:
+            checkpoints[ck.serial] = {
+                "anchor": nid,
+                "step": ck.step,
+                "tail": ck.tail,
+                "tail_extra": ck.tail_extra,
+                "slot": ck.slot,
+                "frozen_block": ck.frozen_block,
+                "pins": ck.pins,
+                "state": ck.state,
+                "tick": ck.tick,
+                "serial": ck.serial,
+            }
+        stack.extend(node.children.values())
+    sequences: dict[int, SequenceView] = {}
+    for sid, seq in trie._live.items():
+        sequences[sid] = {
+            "namespace": seq.namespace,
+            "tokens": tuple(seq.token_list),
+            "extra": seq.extra,
+            "blocks": list(seq.blocks),
+            "path": [n.serial for n in seq.path],
+            "num_cached_tokens": seq.num_cached_tokens,
+            "num_committed_tokens": seq.num_committed_tokens,
+            "restore_checkpoint": None if seq.restore is None else seq.restore.checkpoint.serial,
+            "holds_match_pin": seq.match_receipt is not None,
+        }
+    copies: dict[int, CopyView] = {}
+    for cid, c in trie._transfers.inflight.items():
+        done = c.done  # may finish (CUDA) as we look: read the state after
+        copies[cid] = {
+            "kind": c.kind,
+            "blocks": list(c.blocks),
+            "pins": [r.checkpoint.serial for r in c.receipts],
+            "done": done,
+            "state": c.state,
+        }
+    kv = trie._kv
+    slots = trie._slots
+    return {
+        "block_size": trie.config.block_size,
+        "capacity": kv.capacity,
+        "free_blocks": kv.free_ids(),
+        "refcounts": dict(enumerate(kv.refs)),
+        "slot_capacity": slots.capacity,
+        "free_slots": slots.free_ids(),
+        "roots": {ns: r.serial for ns, r in trie._roots.items()},
+        "nodes": nodes,
+        "checkpoints": checkpoints,
+        "sequences": sequences,
+        "copies": copies,
+        "explicit_pins": [r.checkpoint.serial for r in trie._explicit.values()],
+        "evictable_index": [n.serial for n in trie._evictor.index],
+        "checkpoint_index": [c.serial for c in trie._checkpoints.lru],
+        "event_blocks": trie._events.replayed_blocks(),
+        "event_checkpoint_slots": trie._events.replayed_checkpoint_slots(),
+        "stats": dict(trie.stats.counters()),
+    }
+
+
+def check(trie: BlockTrie) -> None:
+    """Verify every spec invariant on `trie`; raises `InvariantViolation`."""
+    invariants.check_all(snapshot(trie))

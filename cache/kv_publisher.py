@@ -1,0 +1,255 @@
+"""`KVEventPublisher`: streams event batches over ZMQ the way vLLM's publisher does.
+
+Wire (vLLM's ``ZmqEventPublisher``): a PUB socket sends each batch as three
+frames ``(topic, seq, payload)``: the topic's UTF-8 bytes, the batch's
+sequence number as 8 bytes big-endian, and `cache.kv_events.encode_batch`'s
+msgpack. The PUB address is bound when it contains ``*`` (or ``::``, or is
+``ipc://`` / ``inproc://``) and connected otherwise. An optional ROUTER
+socket answers a replay request (frames ``[b"", start_seq]`` from a REQ /
+DEALER client) with every buffered batch whose sequence number is
+``>= start_seq`` as ``[b"", seq, payload]``, then ``[b"", (-1 as 8 signed
+bytes), b""]``.
+
+Never blocks the caller: `publish` encodes the batch (so a bad event raises
+in the caller) and puts the bytes on a bounded queue that a sender thread
+drains. When the queue is full the batch is dropped: counted in
+`dropped_batches` / `dropped_events` and logged (at the 1st, 2nd, 4th, 8th...
+drop), and its sequence number is still consumed, so a subscriber sees the
+gap (which replay cannot fill: the consumer must resynchronise). ZMQ itself
+drops messages for a subscriber past its high-water mark; the subscriber sees
+that as a gap too and can replay it while it is buffered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterable
+from types import TracebackType
+
+import zmq
+
+from cache.events import Event
+from cache.kv_events import encode_batch
+
+__all__ = ["END_SEQ", "KVEventPublisher"]
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""Sequence frame that ends a replay answer."""
+
+_POLL_S = 0.02
+
+
+def _binds(endpoint: str) -> bool:
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+class KVEventPublisher:
+    """Publishes `cache.events` batches on a ZMQ PUB socket (see the module docstring).
+
+    - `endpoint`: PUB address (``tcp://*:5557`` binds, ``tcp://host:5557``
+      connects; ``tcp://127.0.0.1:*`` binds an ephemeral port, read back from
+      `endpoint` afterwards).
+    - `replay_endpoint`: ROUTER address for replay requests (always bound), or None.
+    - `topic`: first frame of every message.
+    - `buffer_batches`: sent batches kept for replay.
+    - `data_parallel_rank`: written into every batch. Unlike vLLM, the port
+      is not offset by the rank: give each rank its own endpoint.
+    - `queue_batches`: batches that may wait for the sender thread before
+      `publish` starts dropping.
+    - `legacy`: send vLLM's pre-2026 positional event encoding.
+    - `hwm`: the PUB socket's send high-water mark (messages per subscriber).
+
+    Raises `ValueError` for bad sizes and `zmq.ZMQError` when an address
+    cannot be bound / connected. Use as a context manager or call `close`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_batches: int = 10_000,
+        data_parallel_rank: int | None = None,
+        *,
+        queue_batches: int = 10_000,
+        legacy: bool = False,
+        hwm: int = 100_000,
+    ) -> None:
+        for name, value in (
+            ("buffer_batches", buffer_batches),
+            ("queue_batches", queue_batches),
+            ("hwm", hwm),
+        ):
+            if type(value) is not int or value < 0 or (value == 0 and name == "queue_batches"):
+                raise ValueError(f"KVEventPublisher {name} must be a non-negative int: {value!r}")
+        self.topic = topic
+        self.data_parallel_rank = data_parallel_rank
+        self.legacy = legacy
+        self.published_batches = 0
+        """Batches handed to the PUB socket."""
+        self.dropped_batches = 0
+        """Batches dropped because the queue was full (never silent: also logged)."""
+        self.dropped_events = 0
+        """Events in the dropped batches."""
+        self._topic = topic.encode("utf-8")
+        self._seq = itertools.count()
+        self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_batches)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._stop = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # publish may be called from several threads
+
+        self._ctx = zmq.Context()
+        self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            if _binds(endpoint):
+                self._pub.bind(endpoint)
+                self.endpoint: str = self._last_endpoint(self._pub, endpoint)
+            else:
+                self._pub.connect(endpoint)
+                self.endpoint = endpoint
+            self.replay_endpoint: str | None = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._last_endpoint(self._replay, replay_endpoint)
+        except BaseException:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            self._ctx.term()
+            raise
+        # The sockets are used only by the sender thread from here on (ZMQ
+        # sockets are not thread-safe).
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _last_endpoint(sock: zmq.Socket[bytes], fallback: str) -> str:
+        last = sock.getsockopt(zmq.LAST_ENDPOINT)
+        return last.decode() if isinstance(last, bytes) and last else fallback
+
+    # ----------------------------------------------------------------- API
+
+    def publish(self, events: Iterable[Event], *, ts: float | None = None) -> bool:
+        """Queue one batch of `events`; False when it was dropped (queue full).
+
+        An empty batch is not sent (returns True). Raises `RuntimeError` after
+        `close`, `TypeError` for an object that is not an event.
+        """
+        if self._closed:
+            raise RuntimeError("KVEventPublisher is closed")
+        evs = events if isinstance(events, list) else list(events)
+        if not evs:
+            return True
+        payload = encode_batch(
+            evs, ts=ts, data_parallel_rank=self.data_parallel_rank, legacy=self.legacy
+        )
+        with self._lock:
+            seq = next(self._seq)
+            try:
+                self._queue.put_nowait((seq, payload))
+                return True
+            except queue.Full:
+                self.dropped_batches += 1
+                self.dropped_events += len(evs)
+                n = self.dropped_batches
+        if n & (n - 1) == 0:
+            log.warning(
+                "KV event queue full: dropped batch %d (%d batches / %d events dropped so far); "
+                "subscribers will see a sequence gap",
+                seq,
+                n,
+                self.dropped_events,
+            )
+        return False
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued (for up to `timeout` s), stop the thread, close the sockets.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # pragma: no cover - a wedged socket
+            log.error("KV event publisher thread did not stop within %.1f s", timeout)
+            return
+        self._ctx.term()
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches waiting for the sender thread."""
+        return self._queue.qsize()
+
+    # -------------------------------------------------------------- thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._replay is not None:
+                    self._serve_replays(self._replay)
+                try:
+                    seq, payload = self._queue.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self._stop.is_set():
+                        break
+                    continue
+                self._send(seq, payload)
+        except Exception:  # pragma: no cover - logged, never silent
+            log.exception("KV event publisher thread failed")
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        seq_bytes = seq.to_bytes(8, "big")
+        # PUB never blocks: past the HWM, ZMQ drops for that subscriber.
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+        self.published_batches += 1
+        if self._buffer.maxlen:
+            self._buffer.append((seq, payload))
+
+    def _serve_replays(self, replay: zmq.Socket[bytes]) -> None:
+        while replay.poll(0):
+            frames = replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, b"", END_SEQ, b""))

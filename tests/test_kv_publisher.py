@@ -1,0 +1,238 @@
+"""`KVEventPublisher` on loopback: ordering, replay, never blocking, clean shutdown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+pytest.importorskip("xxhash")
+
+import msgspec
+import zmq
+
+from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from cache.kv_publisher import END_SEQ, KVEventPublisher
+
+LOOP = "tcp://127.0.0.1:*"
+TIMEOUT_MS = 5_000
+Ctx = zmq.Context[zmq.Socket[bytes]]
+
+
+def _batch(i: int) -> list[Event]:
+    return [BlockStored((i,), (i,), None, (i, i), 2, ""), BlockRemoved((i,), (i,), "")]
+
+
+@pytest.fixture
+def ctx() -> Iterator[Ctx]:
+    c: Ctx = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def _sub(ctx: Ctx, endpoint: str, topic: bytes = b"") -> zmq.Socket[bytes]:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    sub.connect(endpoint)
+    return sub
+
+
+def _wait_joined(pub: KVEventPublisher, sub: zmq.Socket[bytes]) -> None:
+    """PUB drops messages until a subscription arrives: probe until one gets through.
+
+    The probes are `AllBlocksCleared` batches; `_recv_real` skips them.
+    """
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
+        pub.publish([AllBlocksCleared()])
+        if sub.poll(50):
+            return
+    raise AssertionError("subscriber never joined")
+
+
+def _is_probe(payload: bytes) -> bool:
+    return _decode(payload)[1] == [{"type": "AllBlocksCleared"}]
+
+
+def _recv_real(sub: zmq.Socket[bytes], n: int) -> list[list[bytes]]:
+    """The next `n` messages that are not join probes."""
+    out: list[list[bytes]] = []
+    while len(out) < n:
+        msg = sub.recv_multipart()
+        if not _is_probe(msg[2]):
+            out.append(msg)
+    return out
+
+
+def _decode(payload: bytes) -> list[object]:
+    raw = msgspec.msgpack.decode(payload)
+    assert isinstance(raw, list)
+    return raw
+
+
+def test_subscriber_receives_every_batch_in_order(ctx: Ctx) -> None:
+    with KVEventPublisher(LOOP, topic="kv", data_parallel_rank=2) as pub:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith("*")
+        sub = _sub(ctx, pub.endpoint, b"kv")
+        _wait_joined(pub, sub)
+        for i in range(200):
+            assert pub.publish(_batch(i), ts=float(i))
+        got = []
+        for topic, seq, payload in _recv_real(sub, 200):
+            assert topic == b"kv" and len(seq) == 8
+            got.append((int.from_bytes(seq, "big"), _decode(payload)))
+        first = got[0][0]
+        assert [s for s, _ in got] == list(range(first, first + 200))
+        for i, (_, raw) in enumerate(got):
+            ts, events, rank = raw
+            assert ts == float(i) and rank == 2
+            assert isinstance(events, list) and events[0]["block_hashes"] == [i]
+            assert events[1]["type"] == "BlockRemoved"
+        assert pub.dropped_batches == 0
+    sub.close(linger=0)
+
+
+def _replay(ctx: Ctx, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol from a DEALER: ``[b"", start]`` -> ``[b"", seq, payload]``... END."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    dealer.connect(endpoint)
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    out = []
+    while True:
+        empty, seq_b, payload = dealer.recv_multipart()
+        assert empty == b""
+        if seq_b == END_SEQ:
+            assert payload == b""
+            break
+        out.append((int.from_bytes(seq_b, "big"), payload))
+    dealer.close(linger=0)
+    return out
+
+
+def test_late_subscriber_catches_up_through_replay(ctx: Ctx) -> None:
+    with KVEventPublisher(LOOP, replay_endpoint=LOOP, buffer_batches=1_000) as pub:
+        assert pub.replay_endpoint is not None
+        for i in range(80):  # nobody listens yet: PUB drops these, the buffer keeps them
+            pub.publish(_batch(i))
+        sub = _sub(ctx, pub.endpoint)
+        _wait_joined(pub, sub)  # the probes (AllBlocksCleared batches) take sequence numbers
+        for i in range(80, 100):
+            pub.publish(_batch(i))
+        live = _recv_real(sub, 20)
+        live_seqs = [int.from_bytes(m[1], "big") for m in live]
+        first_live = live_seqs[0]
+        assert live_seqs == list(range(first_live, first_live + 20))
+        # the subscriber missed everything before its first message: replay from 0
+        missed = _replay(ctx, pub.replay_endpoint, 0)
+        seqs = [s for s, _ in missed]
+        assert seqs == list(range(first_live + 20))  # the whole history, in order
+        assert [p for s, p in missed if s >= first_live] == [m[2] for m in live]
+        stored = []
+        for _, payload in missed[:80]:
+            events = _decode(payload)[1]
+            assert isinstance(events, list)
+            stored.append(events[0]["block_hashes"][0])
+        assert stored == list(range(80))
+    sub.close(linger=0)
+
+
+def test_replay_from_before_the_buffer_returns_what_is_kept(
+    ctx: Ctx,
+) -> None:
+    with KVEventPublisher(LOOP, replay_endpoint=LOOP, buffer_batches=5) as pub:
+        for i in range(12):
+            pub.publish(_batch(i))
+        deadline = time.monotonic() + 5
+        while pub.published_batches < 12 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.replay_endpoint is not None
+        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, 0)] == [7, 8, 9, 10, 11]
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart((b"", b"bad"))  # malformed: ignored, the socket keeps serving
+        dealer.send_multipart((b"", (11).to_bytes(8, "big")))
+        assert dealer.recv_multipart()[1] == (11).to_bytes(8, "big")
+        assert dealer.recv_multipart()[1] == END_SEQ
+        dealer.close(linger=0)
+        assert _replay(ctx, pub.replay_endpoint, 12) == []
+
+
+def test_publish_without_subscriber_never_blocks() -> None:
+    with KVEventPublisher(LOOP) as pub:
+        batch = _batch(1)
+        t0 = time.perf_counter()
+        for _ in range(5_000):
+            pub.publish(batch)
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 5.0  # ~10 us each; a blocked send would hang here
+    assert pub.dropped_batches + pub.published_batches == 5_000
+
+
+def test_full_queue_drops_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    ready = threading.Event()
+    release = threading.Event()
+    pub = KVEventPublisher(LOOP, queue_batches=2)
+    orig_send = pub._send
+
+    def slow_send(seq: int, payload: bytes) -> None:  # a sender stuck behind a slow socket
+        ready.set()
+        release.wait(5)
+        orig_send(seq, payload)
+
+    pub._send = slow_send  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="cache.kv_publisher"):
+        assert pub.publish(_batch(0))
+        assert ready.wait(5)  # the thread holds batch 0; the queue is empty again
+        t0 = time.perf_counter()
+        results = [pub.publish(_batch(i)) for i in range(1, 10)]
+        assert time.perf_counter() - t0 < 1.0  # dropping, not waiting
+    release.set()
+    pub.close()
+    assert results[:2] == [True, True] and not any(results[2:])
+    assert pub.dropped_batches == 7 and pub.dropped_events == 14
+    assert pub.published_batches == 3
+    warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(warnings) == 3  # the 1st, 2nd and 4th drop: logged, not flooded
+
+
+def test_close_is_clean_and_idempotent() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    pub = KVEventPublisher(LOOP, replay_endpoint=LOOP)
+    for i in range(10):
+        pub.publish(_batch(i))
+    pub.close()
+    pub.close()
+    assert pub.published_batches == 10  # close sends what was queued
+    assert not pub._thread.is_alive()
+    assert {t.ident for t in threading.enumerate()} <= before | {None}
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish(_batch(0))
+
+
+def test_connect_mode_and_bad_arguments(ctx: Ctx) -> None:
+    sub = ctx.socket(zmq.SUB)  # the bound side is the subscriber (a collector)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+    sub.bind(LOOP)
+    addr = sub.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(addr, bytes)
+    with KVEventPublisher(addr.decode()) as pub:
+        assert pub.endpoint == addr.decode()
+        _wait_joined(pub, sub)
+    sub.close(linger=0)
+    with pytest.raises(ValueError, match="queue_batches"):
+        KVEventPublisher(LOOP, queue_batches=0)
+    with pytest.raises(ValueError, match="buffer_batches"):
+        KVEventPublisher(LOOP, buffer_batches=-1)
+    with pytest.raises(TypeError):
+        KVEventPublisher(LOOP).publish([object()])  # type: ignore[list-item]
+    with pytest.raises(zmq.ZMQError):
+        KVEventPublisher("tcp://256.0.0.1:*")

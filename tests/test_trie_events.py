@@ -1,0 +1,120 @@
+"""Events as the trie emits them: off by default, stable chained hashes, and
+SSM checkpoints in their own group so a router sees where a hybrid hit can end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xxhash")
+
+from cache import BlockTrie, CacheConfig
+from cache.block_hash import BlockHasher
+from cache.events import (
+    CHECKPOINT_GROUP,
+    KIND_MAMBA,
+    KV_GROUP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    replay,
+)
+from tests.helpers import kv_trie, serve, ssm_trie, state
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_events_are_off_by_default_and_nothing_accumulates() -> None:
+    trie = BlockTrie(CacheConfig(block_size=4, num_blocks=8))
+    for i in range(5):
+        serve(trie, [i, i, i, i, 1])
+    assert trie.drain_events() == []
+    assert trie._events._events == []
+
+
+def test_block_hashes_chain_from_the_namespace_root() -> None:
+    trie = kv_trie(num_blocks=8, hash_seed=7)
+    serve(trie, [1, 2, 3, 4, 5, 6, 7, 8, 9], namespace="tenant")
+    (stored,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    hasher = BlockHasher("xxh3", 7)
+    first = hasher.chain(hasher.root("tenant"), (1, 2, 3, 4))
+    second = hasher.chain(first, (5, 6, 7, 8))
+    assert stored.block_hashes == (first, second)
+    assert stored.parent_block_hash is None
+    assert len(set(stored.block_hashes)) == 2  # every block its own hash
+    assert stored.extra_keys == (("tenant",), ("tenant",))
+
+
+def test_block_hashes_are_the_same_in_two_processes() -> None:
+    code = (
+        "from tests.helpers import kv_trie, serve\n"
+        "t = kv_trie(num_blocks=8, block_hash='{scheme}')\n"
+        "serve(t, [3, 1, 4, 1, 5, 9, 2, 6, 5], namespace='ns')\n"
+        "print([e.block_hashes for e in t.drain_events()])\n"
+    )
+    for scheme in ("xxh3", "vllm"):
+        outputs = set()
+        for seed in ("0", "12345"):
+            env = {**os.environ, "PYTHONHASHSEED": seed}
+            out = subprocess.run(
+                [sys.executable, "-c", code.format(scheme=scheme)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            outputs.add(out.stdout)
+        assert len(outputs) == 1, scheme
+
+
+def test_checkpoints_are_announced_in_their_own_group() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    seq = trie.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    trie.allocate(seq, 11)
+    trie.commit(seq, 11)
+    trie.save(seq, 4, state(1.0))  # at a block boundary: named by its KV block
+    trie.save(seq, 10, state(2.0))  # a partial tail past block 2
+    events = trie.drain_events()
+    kv = [e for e in events if isinstance(e, BlockStored) and e.group_idx == KV_GROUP]
+    cks = [e for e in events if isinstance(e, BlockStored) and e.group_idx == CHECKPOINT_GROUP]
+    assert [e.kv_cache_spec_kind for e in cks] == [KIND_MAMBA, KIND_MAMBA]
+    block1, block2 = kv[0].block_hashes
+    assert cks[0].block_hashes == (block1,)  # a hybrid hit can end after block 1
+    assert cks[0].parent_block_hash is None  # block 1's parent is the root
+    assert cks[1].parent_block_hash == block2
+    assert cks[1].token_ids == (9, 10)
+    assert cks[1].block_hashes[0] not in kv[0].block_hashes
+    assert replay(events, group_idx=CHECKPOINT_GROUP) == {0, 1}
+    assert copies is not None
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    assert trie.evict_checkpoints(2) == 2
+    removed = [e for e in trie.drain_events() if isinstance(e, BlockRemoved)]
+    assert {e.group_idx for e in removed} == {CHECKPOINT_GROUP}
+    assert {h for e in removed for h in e.block_hashes} == {
+        cks[0].block_hashes[0],
+        cks[1].block_hashes[0],
+    }
+    trie.check()  # invariant 10 for both groups
+
+
+def test_clear_emits_only_all_blocks_cleared() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    seq = trie.match([1, 2, 3, 4, 5])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    trie.save(seq, 4, state(1.0))
+    assert copies is not None
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    trie.drain_events()
+    trie.clear()
+    assert trie.drain_events() == [AllBlocksCleared()]
+    trie.check()
