@@ -82,6 +82,17 @@ class DictTrie:
     def num_cached_blocks(self) -> int:
         return self.cached
 
+    @property
+    def num_free_checkpoint_slots(self) -> int:
+        """No checkpoints: attention-only replays only."""
+        return 0
+
+    def save(self, seq: DictTrieSequence, num_tokens: int, runtime_state: Any) -> None:
+        raise ValueError("the baseline trie keeps no SSM checkpoints (attention-only replays)")
+
+    def restore(self, seq: DictTrieSequence, runtime_state: Any) -> None:
+        raise ValueError("the baseline trie keeps no SSM checkpoints (attention-only replays)")
+
     def _root(self, namespace: str) -> _Node:
         root = self.roots.get(namespace)
         if root is None:

@@ -38,13 +38,12 @@ if __package__ in (None, ""):  # run as `python bench/run.py`: make the reposito
 import torch
 
 from bench.baseline import DictTrie
-from cache.replay import replay
-from cache.workload import (
-    TRACE_BLOCK_TOKENS,
+from cache.planner.replay import replay
+from cache.planner.traces import TRACE_BLOCK_TOKENS, load_trace
+from cache.planner.workload import (
     SyntheticParams,
     Workload,
     count_prefix_hits,
-    load_trace,
     synthetic_workload,
 )
 
@@ -91,8 +90,18 @@ class TimedCache:
         return int(self.cache.num_cached_blocks)
 
     @property
+    def num_free_checkpoint_slots(self) -> int:
+        return int(self.cache.num_free_checkpoint_slots)
+
+    @property
     def stats(self) -> Any:
         return self.cache.stats
+
+    def save(self, seq: Any, num_tokens: int, runtime_state: Any) -> Any:
+        return self.cache.save(seq, num_tokens, runtime_state)
+
+    def restore(self, seq: Any, runtime_state: Any) -> Any:
+        return self.cache.restore(seq, runtime_state)
 
     def match(self, tokens: list[int], namespace: str = "") -> Any:
         t0 = perf_ns()
@@ -548,7 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: replay, evict, ckpt, events",
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
-    p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        help=f"tokens per hash id (default: {TRACE_BLOCK_TOKENS} Mooncake, 16 Bailian)",
+    )
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--users", type=int, default=SyntheticParams().users, help="built-in workload")
     p.add_argument("--seed", type=int, default=0)

@@ -2,6 +2,11 @@
 
     python -m spec.docgen            # rewrite docs/lifecycle.md
     python -m spec.docgen --check    # exit 1 when the committed file is stale
+    python -m spec.docgen --path OUT # write elsewhere (needed outside a source checkout)
+
+Without ``--path`` it writes ``docs/lifecycle.md`` of the source checkout it
+runs from; from an installed package (no checkout around it) it refuses
+rather than write into site-packages.
 
 The mermaid diagrams come from `transitions`' mermaid graph engine, so the
 picture is drawn from the same machines that the cache's tables derive from.
@@ -22,7 +27,14 @@ from spec.lifecycle import (
     implied_node_state,
 )
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
+_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PATH = _ROOT / "docs" / "lifecycle.md"
+"""docs/lifecycle.md of the source checkout (only meaningful inside one)."""
+
+
+def in_checkout(root: Path = _ROOT) -> bool:
+    """Whether `root` is a source checkout of the project (not an installed package)."""
+    return (root / "pyproject.toml").is_file() and (root / "docs").is_dir()
 
 
 def _diagram(life: Lifecycle) -> str:
@@ -124,8 +136,18 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--check", action="store_true", help="fail if the file is stale")
-    parser.add_argument("--path", type=Path, default=DEFAULT_PATH)
+    parser.add_argument(
+        "--path",
+        type=Path,
+        help="file to write or check (default: docs/lifecycle.md of the source checkout)",
+    )
     args = parser.parse_args(argv)
+    if args.path is None:
+        if not in_checkout():
+            parser.error(
+                "not running from a source checkout (an installed package): give --path FILE"
+            )
+        args.path = DEFAULT_PATH
     text = render()
     if args.check:
         current = args.path.read_text() if args.path.exists() else ""

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from cache.cli import main
-from cache.workload import SyntheticParams, count_prefix_hits, load_mooncake, synthetic_workload
+from cache.planner.cli import main
+from cache.planner.traces import load_mooncake
+from cache.planner.workload import SyntheticParams, count_prefix_hits, synthetic_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_small.jsonl"
@@ -48,7 +49,9 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 
 def test_builtin_workload_json(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = run_json(capsys, "replay", *SMALL)
+    top = run_json(capsys, "replay", *SMALL)
+    assert top["schema"] == 1 and len(top["runs"]) == 1
+    doc = top["runs"][0]
     for key in REQUIRED:
         assert key in doc
     w = synthetic_workload(
@@ -65,7 +68,8 @@ def test_builtin_workload_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["prompt_tokens"] == w.prompt_tokens
     assert doc["hit_rate"] == pytest.approx(doc["hit_tokens"] / doc["prompt_tokens"])
     assert doc["hit_tokens"] == count_prefix_hits(w, 16).hit_tokens  # unbounded by default
-    assert doc["evicted_blocks"] == 0 and doc["policy"] == "kv"
+    assert doc["evicted_blocks"] == 0 and doc["policy"] == "kv" and doc["never_evicts"]
+    assert doc["capacity"] == top["workload"]["never_evict_blocks"]
 
 
 def test_builtin_workload_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,7 +89,7 @@ def test_builtin_workload_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_trace_fixture_infinite_capacity_matches_count(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = run_json(
+    top = run_json(
         capsys,
         "replay",
         "--trace",
@@ -95,13 +99,15 @@ def test_trace_fixture_infinite_capacity_matches_count(capsys: pytest.CaptureFix
         "--block-size",
         "4",
     )
+    doc = top["runs"][0]
     count = count_prefix_hits(load_mooncake(MOONCAKE, 16), 4)
     assert doc["requests"] == count.requests == 27
     assert doc["hit_tokens"] == count.hit_tokens > 0
     assert doc["hit_rate"] == pytest.approx(count.hit_rate)
-    assert doc["unbounded_hit_rate"] == pytest.approx(count.hit_rate)
-    doc = run_json(capsys, "replay", "--trace", str(TOKENS), "--block-size", "4", "--check")
-    assert doc["requests"] == 16 and doc["hit_tokens"] > 0
+    assert top["workload"]["unbounded_hit_rate"] == pytest.approx(count.hit_rate)
+    assert top["workload"]["format"] == "mooncake"
+    top = run_json(capsys, "replay", "--trace", str(TOKENS), "--block-size", "4", "--check")
+    assert top["runs"][0]["requests"] == 16 and top["runs"][0]["hit_tokens"] > 0
 
 
 def test_sweep_with_ssm_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -135,11 +141,10 @@ def test_sweep_with_ssm_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: P
         assert r["state_slots"] == (
             0 if r["policy"] == "kv" else r["capacity"] // r["blocks_per_slot"]
         )
-        if r["policy"] != "kv":
-            assert "hit_rate_vs_kv" in r
+        assert (r["hit_rate_vs_kv"] is None) == (r["policy"] == "kv")
     kv = [r for r in runs if r["policy"] == "kv"]
     assert kv[0]["hit_rate"] <= kv[-1]["hit_rate"]
-    assert doc["capacity"] == 400 and doc["policy"] != "kv"
+    assert doc["recommended"]["among"] == "ssm"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["sweep.png"]  # no temp file left
 
@@ -181,6 +186,8 @@ def test_malformed_trace_names_line_and_writes_nothing(
         "16",
         "--plot",
         str(plot),
+        "--sweep",
+        "10,20",
         "--json",
     )
     assert code == 2
@@ -193,14 +200,16 @@ def test_missing_trace_and_bad_flags(capsys: pytest.CaptureFixture[str], tmp_pat
     missing = tmp_path / "missing.jsonl"
     code, out, err = run(capsys, "replay", "--trace", str(missing))
     assert code == 2 and out == "" and f"{missing}: no such trace file" in err
-    code, _out, err = run(capsys, "replay", "--plot", str(tmp_path / "nodir" / "p.png"), *SMALL)
+    code, _out, err = run(
+        capsys, "replay", "--plot", str(tmp_path / "nodir" / "p.png"), "--sweep", "1k,2k", *SMALL
+    )
     assert code == 2 and "does not exist" in err
     code, _out, err = run(capsys, "replay", "--state-slots", "4")
     assert code == 2 and "--ssm" in err
     for argv in (
         ["replay", "--sweep", "1,x"],
         ["replay", "--capacity", "0"],
-        ["replay", "--ckpt-policy", "nope"],
+        ["replay", "--ssm", "--ckpt-policy", "nope"],
         ["replay", "--agentic", "2"],
         [],
     ):
@@ -212,7 +221,7 @@ def test_missing_trace_and_bad_flags(capsys: pytest.CaptureFixture[str], tmp_pat
 
 def test_console_script_module(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cache.cli", "replay", *SMALL, "--json", "--progress"],
+        [sys.executable, "-m", "cache.planner.cli", "replay", *SMALL, "--json", "--progress"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -220,18 +229,19 @@ def test_console_script_module(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["requests"] > 0
+    assert doc["runs"][0]["requests"] > 0
     assert proc.stderr == ""  # --json never shows progress
 
 
 def test_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
     code, out, err = run(capsys, "replay", *SMALL, "--progress")
     assert code == 0 and "hit rate" in out
-    assert "req" in err  # tqdm wrote to stderr
+    assert "counting" in err and "replaying" in err  # tqdm wrote each phase to stderr
 
 
 def test_demo_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("cache.demo")
+    pytest.importorskip("cache.planner.demo")
     code, out, _err = run(capsys, "demo")
     assert code == 0 and out.strip()
     assert "outputs identical to cold runs: yes" in out
@@ -242,13 +252,13 @@ def test_demo_fails_when_outputs_differ(
 ) -> None:
     import dataclasses
 
-    import cache.demo
+    import cache.planner.demo
 
-    real = cache.demo.run_demo
+    real = cache.planner.demo.run_demo
 
-    def differing(seed: int = 0) -> cache.demo.DemoResult:
+    def differing(seed: int = 0) -> cache.planner.demo.DemoResult:
         return dataclasses.replace(real(seed), identical=False)
 
-    monkeypatch.setattr(cache.demo, "run_demo", differing)
+    monkeypatch.setattr(cache.planner.demo, "run_demo", differing)
     code, out, _err = run(capsys, "demo")
     assert code == 1 and "outputs identical to cold runs: no" in out

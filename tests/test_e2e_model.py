@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from cache import BlockTrie, ManualCopies
-from cache.demo import format_demo, run_demo
+from cache.planner.demo import format_demo, run_demo
 from cache.testing import (
     Engine,
     RequestResult,

@@ -8,18 +8,21 @@ from typing import Any
 
 import pytest
 
-from cache.replay import CheckpointPolicy, run_replay
-from cache.workload import (
-    PrefixCount,
-    Request,
-    SyntheticParams,
+from cache.planner.policy import CheckpointPolicy
+from cache.planner.replay import run_replay
+from cache.planner.traces import (
     TraceError,
-    Workload,
-    count_prefix_hits,
     detect_trace_format,
     load_mooncake,
     load_token_jsonl,
     load_trace,
+)
+from cache.planner.workload import (
+    PrefixCount,
+    Request,
+    SyntheticParams,
+    Workload,
+    count_prefix_hits,
     synthetic_workload,
 )
 
@@ -76,7 +79,7 @@ def test_synthetic_is_seeded_and_shaped() -> None:
     extends = 0
     for i, (p, _o) in enumerate(a):
         for q, o2 in a[:i]:
-            if p[: len(q) + len(o2)] == q + o2 and len(p) > len(q) + len(o2):
+            if p[: len(q) + len(o2)] == [*q, *o2] and len(p) > len(q) + len(o2):
                 extends += 1
                 break
     assert extends >= len(a) - SMALL.users
@@ -225,7 +228,7 @@ def test_token_jsonl_formats() -> None:
     "line,reason",
     [
         ('"hello"', "expected a list of token ids or an object"),
-        ("[1, -2]", "[1] must be an integer >= 0"),
+        ("[1, -2]", "[1] must be an integer in [0, 2**63)"),
         ("[]", "is empty"),
         ("[1, true]", "[1] must be an integer"),
         ('{"output": [1]}', "missing field 'tokens'"),
@@ -392,3 +395,90 @@ def test_real_mooncake_trace_loads() -> None:
     assert len(w) == 12031
     first = w[0]
     assert len(first.prompt) == 6758 and len(first.output) == 500
+
+
+# ---------------------------------------------------------------- bailian
+
+BAILIAN = FIXTURES / "bailian_small.jsonl"
+
+
+def test_bailian_trace_loads_with_conversation_branch_points() -> None:
+    assert detect_trace_format(BAILIAN) == "bailian"
+    w = load_trace(BAILIAN)  # 16 tokens per hash id by default
+    rows = [json.loads(line) for line in BAILIAN.read_text().splitlines() if line.strip()]
+    reqs = list(w)
+    assert len(reqs) == len(rows) == 24
+    by_chat = {r["chat_id"]: r for r in rows}
+    for row, req in zip(rows, reqs, strict=True):
+        assert len(req.prompt) == row["input_length"] and len(req.output) == row["output_length"]
+        parent = by_chat.get(row["parent_chat_id"])
+        if parent is None:
+            assert req.branch_steps == ()
+            continue
+        shared = 0
+        while parent["hash_ids"][shared] == row["hash_ids"][shared]:
+            shared += 1
+        assert req.branch_steps == (shared * 16,)
+        assert req.prompt[: shared * 16] == reqs[rows.index(parent)].prompt[: shared * 16]
+    # Siblings (two turns answering the same parent) fork at the same step.
+    first, second = reqs[1], reqs[2]
+    assert first.branch_steps == second.branch_steps == (144,)
+    count = count_prefix_hits(w, 16)
+    assert count.requests == 24 and count.hit_tokens > 0
+
+
+def test_branch_points_placement_uses_known_branches() -> None:
+    policy = CheckpointPolicy.parse("branch-points")
+    assert policy.prefill_steps(200, 16, 32, 16) == [32]
+    assert sorted(policy.plan(200, 16, 32, 16, (144,))) == [32, 144]
+    assert sorted(policy.plan(200, 160, 32, 16, (144,))) == []  # already computed
+
+
+@pytest.mark.parametrize(
+    "line,reason",
+    [
+        (
+            '{"chat_id": 0, "parent_chat_id": -1, "turn": 1, "type": "text", "timestamp": 0,'
+            ' "input_length": 20, "output_length": 1, "hash_ids": [1]}',
+            "1 hash_ids for input_length 20",
+        ),
+        (
+            '{"chat_id": -3, "parent_chat_id": -1, "turn": 1, "type": "text", "timestamp": 0,'
+            ' "input_length": 16, "output_length": 1, "hash_ids": [1]}',
+            "'chat_id' must be >= 0",
+        ),
+        (
+            '{"chat_id": 0, "parent_chat_id": -1, "turn": 1, "type": 5, "timestamp": 0,'
+            ' "input_length": 16, "output_length": 1, "hash_ids": [1]}',
+            "'type' must be a string",
+        ),
+        (
+            '{"chat_id": 0, "parent_chat_id": -1, "turn": 1, "type": "t", "timestamp": 0,'
+            ' "input_length": 16, "output_length": 1, "hash_ids": [18446744073709551616]}',
+            "[0, 2**63)",
+        ),
+    ],
+)
+def test_bailian_bad_lines_name_the_line(tmp_path: Path, line: str, reason: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(BAILIAN.read_text().splitlines()[0] + "\n" + line + "\n")
+    if 'chat_id": 0' in line:
+        path.write_text(line + "\n")
+        where = f"{path}:1:"
+    else:
+        where = f"{path}:2:"
+    with pytest.raises(TraceError) as info:
+        load_trace(path, "bailian")
+    assert where in str(info.value) and reason in str(info.value)
+
+
+def test_duplicate_chat_id_and_deep_json(tmp_path: Path) -> None:
+    path = tmp_path / "dup.jsonl"
+    first = BAILIAN.read_text().splitlines()[0]
+    path.write_text(first + "\n" + first + "\n")
+    with pytest.raises(TraceError, match=r":2: chat_id 0 appears twice"):
+        load_trace(path)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TraceError, match=r":1: JSON nested too deeply"):
+        load_trace(deep, "tokens")

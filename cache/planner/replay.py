@@ -25,19 +25,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from cache.workload import Request, Workload
+from cache.planner.policy import KV, CheckpointPolicy
+from cache.planner.workload import Request, Workload
 from spec.errors import OutOfBlocks
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "DEFAULT_POLICY",
-    "POLICY_NAMES",
     "STATE_SHAPES",
     "CacheLike",
-    "CheckpointPolicy",
     "ReplayResult",
     "make_cache",
     "make_state",
@@ -45,28 +44,28 @@ __all__ = [
     "run_replay",
 ]
 
-POLICY_NAMES: tuple[str, ...] = (
-    "every-block",
-    "every-n",
-    "chunk-boundaries",
-    "prompt-end",
-    "branch-points",
-    "decode-end",
-    "spare-slots",
-)
-"""Checkpoint placements; combine them with '+' (e.g. ``branch-points+prompt-end``).
-``spare-slots`` is a modifier: the periodic placements (every-block, every-n,
-chunk-boundaries) only use free slots and never evict another checkpoint."""
-
-DEFAULT_POLICY = "branch-points+prompt-end+decode-end+every-n"
-"""The placement the planner uses unless told otherwise (the best in docs/replay.md)."""
-
 STATE_SHAPES: dict[str, tuple[int, ...]] = {"ssm": (1,)}
 """Tiny per-slot SSM state for planning: the slot count matters, not the bytes."""
 
 
 class CacheLike(Protocol):
-    """The part of the `BlockTrie` API the replay uses."""
+    """The part of the `BlockTrie` API the replay uses.
+
+    A cache without checkpoints (the benchmark's baseline) has
+    ``num_free_checkpoint_slots == 0`` and may raise from `save` / `restore`:
+    an attention-only replay (``policy=None``) never calls them. `stats` needs
+    ``evicted_blocks``; the checkpoint counters of `cache.CacheStats` are read
+    when present.
+    """
+
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def num_free_checkpoint_slots(self) -> int: ...
+    @property
+    def stats(self) -> Any: ...
 
     def match(self, tokens: list[int], namespace: str = "") -> Any: ...
     def append(self, seq: Any, tokens: list[int]) -> None: ...
@@ -75,93 +74,8 @@ class CacheLike(Protocol):
     def release(self, seq: Any) -> None: ...
     def abort(self, seq: Any) -> None: ...
     def poll(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """Where a request saves SSM checkpoints (steps are token counts).
-
-    - ``every-block``: every block boundary the prefill computes.
-    - ``every-n``: every multiple of `interval` tokens the prefill computes.
-    - ``chunk-boundaries``: the end of every `chunk`-token prefill chunk
-      (counted from the cache hit) and the prompt end.
-    - ``prompt-end``: the last block boundary of the prompt (where the KV a
-      later request can reuse ends).
-    - ``branch-points``: ``seq.branch_step``, where the request leaves the
-      cached KV path; the next request sharing that prefix hits it.
-    - ``decode-end``: the last block boundary decode crossed (the next turn of
-      a conversation contains this request's output).
-    - ``spare-slots`` (modifier): steps chosen only by the periodic placements
-      are saved only while a slot is free, so they never evict a checkpoint.
-
-    Only steps past the cache hit are saved: the state before it was never
-    computed by this request.
-    """
-
-    parts: tuple[str, ...]
-    interval: int = 128
-    chunk: int = 2048
-
-    def __post_init__(self) -> None:
-        if not self.parts:
-            raise ValueError("a checkpoint policy needs at least one placement")
-        for part in self.parts:
-            if part not in POLICY_NAMES:
-                raise ValueError(
-                    f"unknown checkpoint placement {part!r} (choose from {', '.join(POLICY_NAMES)})"
-                )
-        if self.interval < 1 or self.chunk < 1:
-            raise ValueError("checkpoint interval and chunk size must be >= 1 token")
-
-    @classmethod
-    def parse(cls, spec: str, interval: int = 128, chunk: int = 2048) -> CheckpointPolicy:
-        """A policy from ``part[+part...]``, e.g. ``branch-points+prompt-end``."""
-        parts = tuple(dict.fromkeys(p.strip() for p in spec.split("+") if p.strip()))
-        return cls(parts, interval, chunk)
-
-    @property
-    def name(self) -> str:
-        return "+".join(self.parts)
-
-    @property
-    def decode_end(self) -> bool:
-        return "decode-end" in self.parts
-
-    @property
-    def spare_slots(self) -> bool:
-        return "spare-slots" in self.parts
-
-    def prefill_steps(
-        self, prompt_len: int, hit: int, branch_step: int, block_size: int
-    ) -> list[int]:
-        """Sorted steps in ``(hit, prompt_len]`` to checkpoint during prefill."""
-        return sorted(self.plan(prompt_len, hit, branch_step, block_size))
-
-    def plan(self, prompt_len: int, hit: int, branch_step: int, block_size: int) -> dict[int, bool]:
-        """Steps in ``(hit, prompt_len]`` -> whether the step is essential.
-
-        A step is essential unless only a periodic placement chose it and the
-        policy has ``spare-slots`` (then it is saved only into a free slot).
-        """
-        b = block_size
-        periodic: set[int] = set()
-        essential: set[int] = set()
-        for part in self.parts:
-            if part == "every-block":
-                periodic.update(range((hit // b + 1) * b, prompt_len + 1, b))
-            elif part == "every-n":
-                n = self.interval
-                periodic.update(range((hit // n + 1) * n, prompt_len + 1, n))
-            elif part == "chunk-boundaries":
-                periodic.update(range(hit + self.chunk, prompt_len, self.chunk))
-                periodic.add(prompt_len)
-            elif part == "prompt-end":
-                essential.add(prompt_len // b * b)
-            elif part == "branch-points":
-                essential.add(branch_step)
-        if not self.spare_slots:
-            essential |= periodic
-        return {s: s in essential for s in essential | periodic if hit < s <= prompt_len}
+    def save(self, seq: Any, num_tokens: int, runtime_state: Mapping[str, torch.Tensor]) -> Any: ...
+    def restore(self, seq: Any, runtime_state: Mapping[str, torch.Tensor] | None) -> Any: ...
 
 
 @dataclass
@@ -246,17 +160,21 @@ def make_cache(block_size: int, capacity: int, state_slots: int = 0) -> Any:
 
 def make_state(
     state_shapes: Mapping[str, tuple[int, ...]],
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """A runtime state for one sequence: zeros of each named shape."""
+    """A runtime state for one sequence: zeros of each named shape (float32 by default)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     return {
         name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in state_shapes.items()
     }
 
 
 def _stat(stats: Any, name: str) -> int:
-    value = getattr(stats, name, 0) if stats is not None else 0
+    """A counter of `stats`; 0 when this cache does not keep it (the baseline)."""
+    value = getattr(stats, name, 0)
     return int(value) if isinstance(value, int) else 0
 
 
@@ -288,26 +206,17 @@ def replay(
         block_size=b,
         capacity=capacity,
         state_slots=state_slots,
-        policy=policy.name if policy is not None else "kv",
+        policy=policy.name if policy is not None else KV,
         concurrency=concurrency,
     )
     runtime: Mapping[str, torch.Tensor] = state if state is not None else {}
-    save = getattr(cache, "save", None)
-    restore = getattr(cache, "restore", None)
-    if policy is not None and (save is None or restore is None):
-        raise ValueError("an SSM replay needs a cache with save and restore")
-    free_slots: Callable[[], int] | None = None
-    if hasattr(cache, "num_free_checkpoint_slots"):
-
-        def free_slots() -> int:
-            return int(cache.num_free_checkpoint_slots)
-
+    save = cache.save
+    restore = cache.restore
     window: deque[Any] = deque()
     window_blocks: deque[list[int]] = deque()
     held: dict[int, int] = {}  # block id -> live requests whose block table holds it
     peak_held = peak_cached = peak_used = 0
     requests = rejected = prompt_tokens = hit_tokens = decode_tokens = ckpt_hits = nblocks = 0
-    pools: Any = cache if hasattr(cache, "num_free_blocks") else None
     poll = cache.poll
     t0 = time.perf_counter()
 
@@ -354,19 +263,18 @@ def replay(
         hit = seq.num_cached_tokens
         hit_tokens += hit
         if policy is not None:
-            assert save is not None and restore is not None
             if seq.restore is not None:
                 ckpt_hits += 1
                 restore(seq, runtime)
-            plan = policy.plan(plen, hit, seq.branch_step, b)
+            plan = policy.plan(plen, hit, seq.branch_step, b, req.branch_steps)
             for step in sorted(plan):
-                if not plan[step] and free_slots is not None and free_slots() == 0:
+                if not plan[step] and cache.num_free_checkpoint_slots == 0:
                     continue
                 cache.commit(seq, step)
                 save(seq, step, runtime)
         cache.commit(seq, plen)
         total = plen
-        output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
+        output = list(req.output if max_decode_tokens is None else req.output[:max_decode_tokens])
         if output:
             cache.append(seq, output)
             want = plen + len(output)
@@ -384,7 +292,6 @@ def replay(
             total = want
             decode_tokens += want - plen
             if policy is not None and policy.decode_end:
-                assert save is not None
                 step = (total - 1) // b * b
                 if step > plen and step > hit:
                     save(seq, step, runtime)
@@ -396,13 +303,12 @@ def replay(
             held[block] = held.get(block, 0) + 1
         if len(held) > peak_held:
             peak_held = len(held)
-        if pools is not None:
-            free = pools.num_free_blocks
-            cached = pools.num_cached_blocks
-            if cached > peak_cached:
-                peak_cached = cached
-            if capacity - free > peak_used:
-                peak_used = capacity - free
+        free = cache.num_free_blocks
+        cached = cache.num_cached_blocks
+        if cached > peak_cached:
+            peak_cached = cached
+        if capacity - free > peak_used:
+            peak_used = capacity - free
         if progress is not None and requests % 64 == 0:
             progress(requests)
     release_window()
@@ -410,7 +316,7 @@ def replay(
     result.wall_s = time.perf_counter() - t0
     if progress is not None:
         progress(requests)
-    stats = getattr(cache, "stats", None)
+    stats = cache.stats
     result.requests = requests
     result.rejected = rejected
     result.prompt_tokens = prompt_tokens

@@ -1,0 +1,7 @@
+"""``python -m cache.planner``: the ``blocktrie`` command."""
+
+import sys
+
+from cache.planner.cli import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""Running the planned replays: in this process, in worker processes, or on Ray.
+
+Every run is independent (its own cache), so a sweep parallelises by run.
+Results come back in run order and are identical whatever the executor,
+except the wall-clock fields (``wall_s`` and the rates derived from it).
+Worker processes are forked, so they share the loaded workload without
+pickling it (the parent has not loaded torch: each worker imports it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cache.planner.plan import Run
+from cache.planner.policy import KV, CheckpointPolicy, abbreviate
+from cache.planner.replay import ReplayResult, run_replay
+from cache.planner.workload import Workload
+
+__all__ = ["EXECUTORS", "ReplaySettings", "available_cores", "policy_for", "run_all"]
+
+EXECUTORS = ("process", "ray")
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What every run of a plan shares."""
+
+    block_size: int
+    concurrency: int
+    max_decode_tokens: int | None = None
+    ckpt_interval: int | None = None
+    """every-n interval in tokens; None: 2 x R x block size (R = the run's blocks per slot)."""
+    chunk_size: int = 2048
+    default_blocks_per_slot: int = 8
+    check: bool = False
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def policy_for(run: Run, settings: ReplaySettings) -> CheckpointPolicy | None:
+    """The checkpoint policy of `run` (None for attention-only). Periodic checkpoints take
+    at most half the budget: one per 2R blocks unless --ckpt-interval says otherwise."""
+    if run.policy == KV:
+        return None
+    ratio = run.blocks_per_slot or settings.default_blocks_per_slot
+    interval = settings.ckpt_interval or 2 * ratio * settings.block_size
+    return CheckpointPolicy.parse(run.policy, interval, settings.chunk_size)
+
+
+def run_one(
+    workload: Workload[Any],
+    run: Run,
+    settings: ReplaySettings,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay `workload` once, as `run` says."""
+    return run_replay(
+        workload,
+        block_size=settings.block_size,
+        capacity=run.capacity,
+        concurrency=settings.concurrency,
+        max_decode_tokens=settings.max_decode_tokens,
+        policy=policy_for(run, settings),
+        state_slots=run.slots,
+        progress=progress,
+        check=settings.check,
+    )
+
+
+_SHARED: dict[str, Any] = {}  # the workload, set before forking workers
+
+
+def _worker(run: Run, settings: ReplaySettings) -> ReplayResult:
+    return run_one(_SHARED["workload"], run, settings)
+
+
+def run_all(
+    workload: Workload[Any],
+    runs: Sequence[Run],
+    settings: ReplaySettings,
+    *,
+    jobs: int = 1,
+    executor: str = "process",
+    progress: Callable[[int, str], None] | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> list[ReplayResult]:
+    """Every run's result, in run order.
+
+    `jobs` 1 replays here, run after run, calling ``progress(requests done in this run,
+    label)``; more replays in `jobs` forked worker processes (``executor="process"``) or
+    as Ray tasks (``executor="ray"``; the ray cluster of ``ray.init()``), calling
+    ``on_done(run index)`` as each finishes.
+    """
+    if jobs < 1:
+        raise ValueError("jobs must be >= 1")
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r} (choose from {', '.join(EXECUTORS)})")
+    if executor == "ray":
+        return _run_ray(workload, runs, settings, on_done)
+    import multiprocessing
+
+    forkable = "fork" in multiprocessing.get_all_start_methods()
+    if jobs == 1 or len(runs) == 1 or not forkable:  # no fork (Windows): one at a time
+        results = []
+        for i, run in enumerate(runs):
+            label = f"{run.capacity:,} blocks {abbreviate(run.policy)}"
+            cb = None if progress is None else (lambda n, label=label: progress(n, label))
+            results.append(run_one(workload, run, settings, cb))
+            if on_done is not None:
+                on_done(i)
+        return results
+    from concurrent.futures import ProcessPoolExecutor
+
+    _SHARED["workload"] = workload
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
+            futures = [pool.submit(_worker, run, settings) for run in runs]
+            out: list[ReplayResult] = []
+            for i, future in enumerate(futures):
+                out.append(future.result())
+                if on_done is not None:
+                    on_done(i)
+            return out
+    finally:
+        _SHARED.clear()
+
+
+def _run_ray(
+    workload: Workload[Any],
+    runs: Sequence[Run],
+    settings: ReplaySettings,
+    on_done: Callable[[int], None] | None,
+) -> list[ReplayResult]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    remote = ray.remote(run_one)
+    ref = ray.put(workload)
+    pending = [remote.remote(ref, run, settings) for run in runs]
+    out: list[ReplayResult] = []
+    for i, task in enumerate(pending):
+        out.append(ray.get(task))
+        if on_done is not None:
+            on_done(i)
+    return out

@@ -1,0 +1,360 @@
+"""Workloads for replaying through a prefix cache: the `Workload` container,
+the built-in synthetic generator and an independent infinite-capacity hit
+counter. Trace readers live in `cache.planner.traces`.
+
+A workload is an ordered list of requests. Each `Request` carries its prompt
+tokens and the output tokens its decode will append (so that a later turn of
+the same conversation, whose prompt contains this output, can hit it).
+
+`synthetic_workload` is the built-in default, seeded: sessions of multi-turn
+chat that share a few system prompts, and agentic sessions whose turns are a
+chain of short tool calls, each followed by a tool result that the next
+request's prompt contains.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+__all__ = [
+    "Filler",
+    "PrefixCount",
+    "Request",
+    "SyntheticParams",
+    "Workload",
+    "count_prefix_hits",
+    "synthetic_workload",
+]
+
+
+class Filler(Sequence[int]):
+    """`n` copies of one token, without storing them (trace outputs are unknown and may be
+    long: ``Filler(t, 10**11)[:10]`` costs ten tokens). Slices are lists."""
+
+    __slots__ = ("n", "token")
+
+    def __init__(self, token: int, n: int) -> None:
+        self.token = token
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [self.token] * len(range(self.n)[index])
+        range(self.n)[index]  # IndexError when out of range
+        return self.token
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.repeat(self.token, self.n)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Filler):
+            return self.n == other.n and (self.n == 0 or self.token == other.token)
+        if isinstance(other, (list, tuple)):
+            return len(other) == self.n and all(t == self.token for t in other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.token, self.n))
+
+    def __repr__(self) -> str:
+        return f"Filler({self.token}, {self.n})"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request: prompt tokens, the output tokens decode appends, its namespace.
+
+    `output` is a list, or a `Filler` for the unknown outputs of a trace (slice it
+    before making it a list). `arrival_ms` is informational.
+    """
+
+    prompt: list[int]
+    output: Sequence[int]
+    namespace: str = ""
+    arrival_ms: float = 0.0
+    branch_steps: tuple[int, ...] = ()
+    """Prompt steps the workload knows are branch points (a conversation tree's fork),
+    besides the one the cache finds (``seq.branch_step``)."""
+
+
+R = TypeVar("R")
+
+
+class Workload(Generic[R]):
+    """An ordered, re-iterable list of requests, built lazily from compact records.
+
+    Iterating builds each `Request` on the fly (prompts of long traces are
+    never all in memory at once). `prompt_tokens` and `output_tokens` are
+    known without building anything.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        records: Sequence[R],
+        build: Callable[[int, R], Request],
+        prompt_lengths: Sequence[int],
+        output_lengths: Sequence[int],
+        description: str = "",
+    ) -> None:
+        if not (len(records) == len(prompt_lengths) == len(output_lengths)):
+            raise ValueError("records, prompt_lengths and output_lengths differ in length")
+        self.name = name
+        self.description = description or name
+        self._records = records
+        self._build = build
+        self.prompt_lengths: Sequence[int] = prompt_lengths
+        self.output_lengths: Sequence[int] = output_lengths
+        self.prompt_tokens = sum(prompt_lengths)
+        self.output_tokens = sum(output_lengths)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[Request]:
+        build = self._build
+        for i, rec in enumerate(self._records):
+            yield build(i, rec)
+
+    def __getitem__(self, index: int) -> Request:
+        i = range(len(self._records))[index]
+        return self._build(i, self._records[i])
+
+    def head(self, n: int) -> Workload[R]:
+        """The first `n` requests (all of them when `n` is larger)."""
+        return Workload(
+            self.name,
+            self._records[:n],
+            self._build,
+            self.prompt_lengths[:n],
+            self.output_lengths[:n],
+            self.description,
+        )
+
+
+# --------------------------------------------------------------------------
+# Built-in synthetic workload
+
+
+@dataclass(frozen=True)
+class SyntheticParams:
+    """Parameters of the built-in workload (all lengths in tokens, means)."""
+
+    users: int = 48
+    """Sessions (one user each)."""
+    turns: int = 4
+    """User turns per session."""
+    system_prompts: int = 4
+    """Distinct shared system prompts; sessions pick one, the first ones more often."""
+    system_tokens: int = 1536
+    user_tokens: int = 192
+    output_tokens: int = 160
+    agentic: float = 0.25
+    """Fraction of sessions that are agentic (tool-call chains)."""
+    tool_calls: int = 3
+    """Tool calls per agentic turn (each one a request)."""
+    tool_call_tokens: int = 48
+    tool_result_tokens: int = 384
+    vocab: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "users",
+            "turns",
+            "system_prompts",
+            "system_tokens",
+            "user_tokens",
+            "output_tokens",
+            "tool_calls",
+            "tool_call_tokens",
+            "tool_result_tokens",
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"SyntheticParams.{name} must be an int >= 0, got {value!r}")
+        for name in ("users", "turns", "system_prompts", "user_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SyntheticParams.{name} must be >= 1")
+        if not 0.0 <= self.agentic <= 1.0:
+            raise ValueError(f"SyntheticParams.agentic must be in [0, 1], got {self.agentic}")
+        if self.vocab < 2:
+            raise ValueError("SyntheticParams.vocab must be >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class _SynthRecord:
+    buffer: list[int]  # the session's append-only token history
+    prompt_end: int
+    output_end: int
+    arrival_ms: float
+
+
+def _length(rng: random.Random, mean: int) -> int:
+    """A length around `mean` (uniform in [mean/2, 3*mean/2]), at least 1 when mean > 0."""
+    if mean <= 0:
+        return 0
+    return max(1, round(mean * rng.uniform(0.5, 1.5)))
+
+
+def synthetic_workload(params: SyntheticParams | None = None) -> Workload[Any]:
+    """The built-in workload: seeded multi-turn chat and agentic sessions.
+
+    Every session starts with one of `system_prompts` shared system prompts
+    (chosen with weights 1, 1/2, 1/3, ...). A chat turn's prompt is the whole
+    history (system prompt, earlier messages and answers) plus a new user
+    message; its output is the answer. An agentic turn is `tool_calls + 1`
+    requests: after the user message the model emits a short tool call, the
+    tool result is appended, and the next request's prompt is the grown
+    history; the last request of the turn produces the answer. Sessions start
+    at Poisson times and their requests interleave by arrival time.
+    """
+    p = params or SyntheticParams()
+    rng = random.Random(p.seed)
+    vocab = p.vocab
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    systems = [tokens(_length(rng, p.system_tokens)) for _ in range(p.system_prompts)]
+    weights = [1.0 / (i + 1) for i in range(p.system_prompts)]
+    records: list[_SynthRecord] = []
+    start = 0.0
+    for _user in range(p.users):
+        start += rng.expovariate(1.0 / 2000.0)  # a session every ~2 s
+        buffer = list(rng.choices(systems, weights)[0])
+        agentic = rng.random() < p.agentic
+        now = start
+        for _turn in range(p.turns):
+            buffer.extend(tokens(_length(rng, p.user_tokens)))
+            steps = p.tool_calls if agentic else 0
+            for _call in range(steps):
+                prompt_end = len(buffer)
+                buffer.extend(tokens(_length(rng, p.tool_call_tokens)))
+                records.append(_SynthRecord(buffer, prompt_end, len(buffer), now))
+                buffer.extend(tokens(_length(rng, p.tool_result_tokens)))
+                now += rng.expovariate(1.0 / 1500.0)  # tool latency ~1.5 s
+            prompt_end = len(buffer)
+            buffer.extend(tokens(_length(rng, p.output_tokens)))
+            records.append(_SynthRecord(buffer, prompt_end, len(buffer), now))
+            now += rng.expovariate(1.0 / 20000.0)  # user think time ~20 s
+    records.sort(key=lambda r: r.arrival_ms)  # stable: a session's requests keep their order
+
+    def build(_index: int, rec: _SynthRecord) -> Request:
+        return Request(
+            rec.buffer[: rec.prompt_end],
+            rec.buffer[rec.prompt_end : rec.output_end],
+            "",
+            rec.arrival_ms,
+        )
+
+    kind = f"{p.users} users x {p.turns} turns, {p.system_prompts} system prompts"
+    if p.agentic > 0:
+        kind += f", {p.agentic:.0%} agentic ({p.tool_calls} tool calls/turn)"
+    return Workload(
+        "synthetic",
+        records,
+        build,
+        [r.prompt_end for r in records],
+        [r.output_end - r.prompt_end for r in records],
+        f"built-in synthetic chat (seed {p.seed}): {kind}",
+    )
+
+
+# --------------------------------------------------------------------------
+# Independent infinite-capacity count
+
+
+@dataclass(frozen=True)
+class PrefixCount:
+    """What an infinite, attention-only cache would hit, counted directly."""
+
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    unique_blocks: int
+    """Distinct full blocks (with their whole prefix) ever committed."""
+    max_request_blocks: int
+    """Most blocks one request's prompt plus decode covers."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def count_prefix_hits(
+    workload: Workload[Any],
+    block_size: int,
+    max_decode_tokens: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> PrefixCount:
+    """Count, without any cache, the tokens an infinite prefix cache would serve.
+
+    A request's hit is its longest prefix of whole blocks that an earlier
+    request committed (its prompt, then its decoded output, up to
+    `max_decode_tokens`), in the same namespace, capped so that at least one
+    prompt token is left to compute. Prefixes are interned as integer ids:
+    ``id(prefix + block) = table[id(prefix), id(block tokens)]``, the root of each
+    namespace having an id of its own.
+    `progress(n)` is called with the requests counted so far, every 256 and at the end.
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    # Compact keys: a block's tokens are interned once (`blocks`), and the table maps
+    # one int, prefix id * 2**40 + block id, to the prefix id of prefix + block. Each
+    # namespace's root is a prefix id of its own (negative, so never a table value).
+    blocks: dict[tuple[int, ...], int] = {}
+    roots: dict[str, int] = {}
+    table: dict[int, int] = {}
+    shift = 1 << 40
+    hit_tokens = 0
+    prompt_tokens = 0
+    max_blocks = 0
+    requests = 0
+    b = block_size
+    for req in workload:
+        requests += 1
+        if progress is not None and requests % 256 == 0:
+            progress(requests)
+        prompt = req.prompt
+        prompt_tokens += len(prompt)
+        root = roots.setdefault(req.namespace, -1 - len(roots))
+        limit = (len(prompt) - 1) // b
+        prefix = root
+        hit = 0
+        for i in range(limit):
+            block = blocks.get(tuple(prompt[i * b : (i + 1) * b]))
+            nxt = None if block is None else table.get(prefix * shift + block)
+            if nxt is None:
+                break
+            prefix = nxt
+            hit += 1
+        hit_tokens += hit * b
+        output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
+        full = [*prompt, *output]
+        nblocks = len(full) // b
+        max_blocks = max(max_blocks, -(-len(full) // b))
+        prefix = root
+        for i in range(nblocks):
+            tokens = tuple(full[i * b : (i + 1) * b])
+            block = blocks.setdefault(tokens, len(blocks))
+            key = prefix * shift + block
+            nxt = table.get(key)
+            if nxt is None:
+                nxt = len(table)
+                table[key] = nxt
+            prefix = nxt
+    if progress is not None:
+        progress(requests)
+    return PrefixCount(requests, prompt_tokens, hit_tokens, len(table), max_blocks)

@@ -1,0 +1,396 @@
+"""Every defect of issue 11 as a CLI test: exit code, one clear line on stderr, no
+traceback, nothing half-written; and the machine interface (JSON schema, CSV)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache.planner import cli
+from cache.planner.cli import main
+from cache.planner.report import RUN_KEYS, TIMING_KEYS, WORKLOAD_KEYS, render_text
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures"
+MOONCAKE = FIXTURES / "mooncake_small.jsonl"
+TOKENS = FIXTURES / "tokens_small.jsonl"
+BAILIAN = FIXTURES / "bailian_small.jsonl"
+SMALL = ["--users", "6", "--turns", "2", "--system-tokens", "64", "--user-tokens", "16"]
+SMALL += ["--output-tokens", "12", "--tool-result-tokens", "24"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_error(code: int, out: str, err: str, expect: int, *words: str) -> None:
+    assert code == expect, err
+    assert out == ""
+    assert err.count("\n") == 1 and err.endswith("\n"), err  # one line
+    assert "Traceback" not in err and "error" in err
+    for word in words:
+        assert word in err, err
+
+
+# ---------------------------------------------------------------- defect 2
+
+
+@pytest.mark.parametrize("target", ["DIR", "", "/proc/x.png", "MISSING/x.png"])
+def test_bad_plot_path_fails_before_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, target: str, monkeypatch: Any
+) -> None:
+    path = target.replace("DIR", str(tmp_path)).replace("MISSING", str(tmp_path / "nope"))
+    called: list[int] = []
+    monkeypatch.setattr(cli, "run_all", lambda *a, **k: called.append(1))
+    code, out, err = run(capsys, "replay", *SMALL, "--sweep", "1k,2k", "--plot", path)
+    assert_error(code, out, err, 2, "--plot")
+    assert not called  # checked before any replay
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_failing_after_the_run_keeps_the_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: Any
+) -> None:
+    pytest.importorskip("matplotlib")
+
+    def broken(path: str, doc: dict[str, Any]) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cli, "write_plot", broken)
+    code, out, err = run(
+        capsys, "replay", *SMALL, "--sweep", "1k,2k", "--plot", str(tmp_path / "p.png")
+    )
+    assert code == 1 and "hit rate" in out  # the table was printed first
+    assert err.count("\n") == 1 and "Permission denied" in err and "Traceback" not in err
+
+
+def test_token_id_too_large_is_caught_up_front(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("[1, 2, 3, 4, 5]\n[1, 2, 18446744073709551616]\n")
+    code, out, err = run(capsys, "replay", "--trace", str(bad), "--block-size", "2")
+    assert_error(code, out, err, 2, f"{bad}:2:", "[2]")
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--sweep", "inf"], ["--sweep", "'inf'"]),
+        (["--sweep", "1e30"], ["--sweep"]),
+        (["--sweep", "-1k"], ["--sweep", "'-1k'"]),
+        (["--sweep", "nan"], ["--sweep"]),
+        (["--capacity", "1000000000000"], ["--capacity", "100,000,000"]),
+        (["--concurrency", "1000000000000"], ["--concurrency"]),
+        (["--capacity", "1.5"], ["whole number"]),
+    ],
+)
+def test_out_of_range_numbers_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    code, out, err = run(capsys, "replay", *argv)
+    assert_error(code, out, err, 2, *words)
+
+
+def test_huge_output_length_with_a_decode_cap_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "m.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 40, "output_length": 100000000000,'
+        ' "hash_ids": [1, 2, 3]}\n'
+        '{"timestamp": 1, "input_length": 40, "output_length": 3, "hash_ids": [1, 2, 4]}\n'
+    )
+    code, out, err = run(
+        capsys, "replay", "--trace", str(trace), "--trace-block-tokens", "16",
+        "--max-decode-tokens", "10", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["runs"][0]["decode_tokens"] == 13
+    # Without the cap the request is refused up front, not replayed until memory runs out.
+    code, out, err = run(capsys, "replay", "--trace", str(trace), "--trace-block-tokens", "16")
+    assert_error(code, out, err, 2, "request 1 has 100,000,000,040 tokens", "--max-decode-tokens")
+
+
+def test_deeply_nested_json_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "deep.jsonl"
+    bad.write_text("[1, 2, 3]\n" + "[" * 200_000 + "]" * 200_000 + "\n")
+    code, out, err = run(capsys, "replay", "--trace", str(bad))
+    assert_error(code, out, err, 2, f"{bad}:2:", "nested too deeply")
+
+
+def test_interrupt_is_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_all", interrupted)
+    code, out, err = run(capsys, "replay", *SMALL)
+    assert code == 130 and out == "" and err == "blocktrie: interrupted\n"
+
+
+def test_broken_pipe_exits_zero_quietly() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache.planner.cli", "replay", *SMALL, "--sweep", "1k,2k"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head -0`: the reader is gone before the report
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert err == ""
+
+
+# ---------------------------------------------------------------- defect 6
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--ckpt-policy", "prompt-end"], ["--ckpt-policy", "--ssm"]),
+        (["--ckpt-interval", "64"], ["--ckpt-interval", "--ssm"]),
+        (["--chunk-size", "64"], ["--chunk-size", "--ssm"]),
+        (["--state-bytes-per-slot", "64"], ["--state-bytes-per-slot", "--ssm"]),
+        (["--ssm", "--chunk-size", "64"], ["--chunk-size", "chunk-boundaries"]),
+        (["--ssm", "--ckpt-policy", "prompt-end", "--ckpt-interval", "64"], ["every-n"]),
+        (["--trace", str(MOONCAKE), "--users", "3"], ["--users", "built-in"]),
+        (["--trace", str(TOKENS), "--trace-block-tokens", "16"], ["--trace-block-tokens"]),
+        (["--trace-block-tokens", "16"], ["needs --trace"]),
+        (["--ssm", "--ckpt-policy", "prompt-end+"], ["empty placement"]),
+        (["--plot", "x.png"], ["--sweep"]),  # one run draws one dot (defect 8)
+    ],
+)
+def test_flags_that_would_be_ignored_are_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: list[str]
+) -> None:
+    code, out, err = run(capsys, "replay", *argv)
+    assert_error(code, out, err, 2, *words)
+
+
+def test_counts_take_suffixes_everywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "replay", *SMALL, "--capacity", "1.5k", "--json")
+    assert code == 0, err
+    assert json.loads(out)["runs"][0]["capacity"] == 1500
+
+
+# ---------------------------------------------------------------- defect 7: the schema
+
+
+def _check_schema(doc: dict[str, Any]) -> None:
+    assert list(doc) == ["schema", "workload", "runs", "recommended"]
+    assert doc["schema"] == 1
+    assert tuple(doc["workload"]) == WORKLOAD_KEYS
+    for row in doc["runs"]:
+        assert tuple(row) == RUN_KEYS
+    rec = doc["recommended"]
+    assert list(rec) == ["ceiling", "among", "within_1_point", "within_99_percent"]
+    for key in ("within_1_point", "within_99_percent"):
+        if rec[key] is not None:
+            assert list(rec[key]) == [
+                "run", "capacity", "policy", "state_slots", "kv_bytes", "state_bytes", "hit_rate"
+            ]  # fmt: skip
+            run_row = doc["runs"][rec[key]["run"]]
+            assert rec[key]["capacity"] == run_row["capacity"]
+
+
+def test_json_has_one_schema_whatever_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    one = json.loads(run(capsys, "replay", *SMALL, "--json")[1])
+    many = json.loads(
+        run(
+            capsys, "replay", *SMALL, "--json", "--sweep", "100,2k", "--ssm",
+            "--kv-bytes-per-token", "1024", "--state-bytes-per-slot", "4096",
+        )[1]
+    )  # fmt: skip
+    for doc in (one, many):
+        _check_schema(doc)
+    assert one["runs"][0]["kv_bytes"] is None and one["runs"][0]["kv_hit_rate"] is None
+    assert one["workload"]["kv_bytes_per_token"] is None
+    ssm = [r for r in many["runs"] if r["policy"] != "kv"]
+    assert all(r["state_bytes"] == r["state_slots"] * 4096 for r in ssm)
+    assert all(r["kv_bytes"] == r["capacity"] * 16 * 1024 for r in many["runs"])
+    assert all(r["kv_hit_rate"] is not None for r in ssm)
+    assert many["recommended"]["among"] == "ssm"
+
+
+def test_csv_one_row_per_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "replay", *SMALL, "--csv", "--sweep", "100,200,2k", "--ssm")
+    assert code == 0 and err == ""
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 6 and tuple(rows[0]) == RUN_KEYS
+    assert [r["policy"] for r in rows].count("kv") == 3
+    assert rows[0]["kv_hit_rate"] == ""  # null
+
+
+# ---------------------------------------------------------------- defect 8
+
+
+def test_plot_mode_follows_the_umask(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "p.png"
+    old = os.umask(0o022)
+    try:
+        assert main(["replay", *SMALL, "--sweep", "100,2k", "--plot", str(plot), "--json"]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(plot.stat().st_mode) == 0o644
+
+
+# ---------------------------------------------------------------- defect 9
+
+
+def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("blocktrie ")
+    code, out, _ = run(capsys, "replay", "--help")
+    assert code == 0
+    assert "(default: False)" not in out and "(default: None)" not in out
+    assert "['" not in out  # no Python lists
+    assert "(default: 16)" in out
+
+
+def test_help_is_fast_and_loads_no_torch() -> None:
+    code = (
+        "import sys, time; t = time.perf_counter(); from cache.planner.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(time.perf_counter() - t, 'torch' in sys.modules, file=sys.stderr)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    seconds, torch_loaded = proc.stderr.split()
+    assert torch_loaded == "False"
+    assert float(seconds) < 2.0  # ~0.1 s; generous for a loaded CI machine
+
+
+# ---------------------------------------------------------------- defect 5: one vocabulary
+
+
+def test_numbers_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in ([], ["--ssm"]):
+        doc = json.loads(run(capsys, "replay", *SMALL, "--json", *extra)[1])
+        never = doc["workload"]["never_evict_blocks"]
+        assert all(r["capacity"] == never and r["never_evicts"] for r in doc["runs"])
+        assert all(r["evicted_blocks"] == 0 for r in doc["runs"] if r["policy"] == "kv")
+        _code, out, _ = run(capsys, "replay", *SMALL, *extra)
+        assert f"never-evict capacity: {never:,} blocks" in out
+        assert f"{never:,} blocks (never evicts)" in out or f"{never:,} " in out
+
+
+def test_recommendation_considers_ssm_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = json.loads(
+        run(capsys, "replay", *SMALL, "--json", "--ssm", "--sweep", "100,400,2k,4k")[1]
+    )
+    rec = doc["recommended"]
+    assert rec["among"] == "ssm"
+    best = max(r["hit_rate"] for r in doc["runs"] if r["policy"] != "kv")
+    assert rec["ceiling"] == best < doc["workload"]["unbounded_hit_rate"]
+    for key, threshold in (
+        ("within_1_point", rec["ceiling"] - 0.01),
+        ("within_99_percent", rec["ceiling"] * 0.99),
+    ):
+        eligible = [
+            (r["capacity"], r["state_slots"], i)
+            for i, r in enumerate(doc["runs"])
+            if r["policy"] != "kv" and r["hit_rate"] >= threshold
+        ]
+        pick = rec[key]
+        assert pick is not None and pick["run"] == min(eligible)[2] and pick["policy"] != "kv"
+
+
+def test_demo_hit_rate_is_saved_over_prompt_tokens() -> None:
+    from cache.planner.demo import format_demo, run_demo
+
+    result = run_demo()
+    assert result.hit_rate == pytest.approx(result.tokens_saved / result.prompt_tokens)
+    assert f"({result.tokens_saved} / {result.prompt_tokens};" in format_demo(result)
+
+
+# ---------------------------------------------------------------- defect 1: fits the terminal
+
+
+@pytest.mark.parametrize("width", [60, 80, 160])
+def test_report_fits_and_never_cuts_a_number(
+    capsys: pytest.CaptureFixture[str], width: int
+) -> None:
+    doc = json.loads(
+        run(
+            capsys, "replay", *SMALL, "--json", "--ssm", "--ckpt-policy", "all",
+            "--sweep", "100,2k", "--kv-bytes-per-token", "131072",
+        )[1]
+    )  # fmt: skip
+    text = render_text(doc, width)
+    table = [line for line in text.splitlines() if line[:1] == " " and "," in line[:12]]
+    assert table
+    for line in text.splitlines():
+        assert len(line) <= width, line
+    for row in doc["runs"]:
+        assert f"{row['hit_rate']:.2%}" in text
+        assert "…" not in text
+    # Nine policies, told apart: the abbreviations are distinct and explained.
+    assert "BP+PE+DE+N+SS" in text and "SS = spare-slots" in text
+
+
+# ---------------------------------------------------------------- traces, jobs
+
+
+def test_three_trace_formats_replay(capsys: pytest.CaptureFixture[str]) -> None:
+    for path, fmt in ((MOONCAKE, "mooncake"), (TOKENS, "tokens"), (BAILIAN, "bailian")):
+        extra = ["--trace-block-tokens", "16"] if fmt == "mooncake" else []
+        code, out, err = run(
+            capsys, "replay", "--trace", str(path), *extra, "--block-size", "4", "--json",
+            "--ssm", "--ckpt-policy", "branch-points",
+        )  # fmt: skip
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["workload"]["format"] == fmt and doc["runs"][1]["hit_tokens"] > 0
+
+
+def _without_timing(doc: dict[str, Any]) -> dict[str, Any]:
+    for row in doc["runs"]:
+        for key in TIMING_KEYS:
+            row.pop(key)
+    return doc
+
+
+def test_jobs_give_identical_results(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", *SMALL, "--json", "--ssm", "--sweep", "100,400,2k"]
+    one = json.loads(run(capsys, *argv, "--jobs", "1")[1])
+    two = json.loads(run(capsys, *argv, "--jobs", "2")[1])
+    assert _without_timing(one) == _without_timing(two)
+
+
+def test_ray_executor_gives_identical_results(capsys: pytest.CaptureFixture[str]) -> None:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        argv = ["replay", *SMALL, "--json", "--sweep", "100,2k"]
+        local = json.loads(run(capsys, *argv, "--jobs", "1")[1])
+        remote = json.loads(run(capsys, *argv, "--executor", "ray")[1])
+        assert _without_timing(local) == _without_timing(remote)
+    finally:
+        ray.shutdown()
+
+
+def test_progress_from_the_first_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    start = time.perf_counter()
+    code, _out, err = run(capsys, "replay", "--trace", str(MOONCAKE), "--progress",
+                          "--trace-block-tokens", "16")  # fmt: skip
+    assert code == 0 and time.perf_counter() - start < 60
+    assert err.index("loading") < err.index("counting") < err.index("replaying")
