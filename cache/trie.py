@@ -16,8 +16,9 @@ validates its input ([R1]-[R5]), plans, takes resources, then mutates
 The numbers in brackets cite the rules of the operational semantics
 (docs/semantics.md), which the reference model `spec.model` cites too.
 
-Single-threaded ([R45]): one engine scheduler owns a trie. Calls from several
-threads at once are not supported.
+Single-threaded ([R45]): one engine scheduler owns a trie. A second thread
+that enters an operation while another is running gets `ConcurrentUse`
+before it changes anything (a cheap flag, not a lock: detection, not support).
 
 This module is longer than the ~400 lines the others keep to because each of
 its public operations carries its whole contract (takes, returns, raises,
