@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from cache import (
+    AllocationFailed,
     BlockRemoved,
     BlockStored,
     BlockTrie,
@@ -29,6 +32,7 @@ from cache import (
     SequenceNotLive,
 )
 from cache.lru import LRUIndex
+from spec.snapshot import Snapshot
 from tests.helpers import empty_state, frozen, kv_trie, ssm_trie, state
 
 PROMPT = [1, 1, 1, 1, 2, 2, 2, 2, 3]
@@ -519,3 +523,149 @@ def test_error_messages_name_the_object_and_the_rule() -> None:
         CacheConfig(block_size=0, num_blocks=1)
     with pytest.raises(ConfigError, match=r"CacheConfig\.num_checkpoint_slots must be >= 0"):
         CacheConfig(block_size=1, num_blocks=1, num_checkpoint_slots=-1)
+
+
+# ------------------------------------------- fault injection under capacity pressure
+
+
+def _script() -> list[tuple[str, Callable[[BlockTrie, dict[str, Any]], object]]]:
+    """A workload on a small cache that is full from op 7 on: allocate, save and
+    restore must make room (KV leaves, frozen tails, a checkpoint for a slot)."""
+
+    def match(name: str, tokens: list[int]) -> Callable[[BlockTrie, dict[str, Any]], object]:
+        return lambda t, c: c.__setitem__(name, t.match(tokens))
+
+    def alloc(name: str, n: int) -> Callable[[BlockTrie, dict[str, Any]], object]:
+        return lambda t, c: t.allocate(c[name], n)
+
+    def commit(name: str, n: int) -> Callable[[BlockTrie, dict[str, Any]], object]:
+        return lambda t, c: t.commit(c[name], n)
+
+    def save(name: str, step: int, value: float) -> Callable[[BlockTrie, dict[str, Any]], object]:
+        return lambda t, c: t.save(c[name], step, state(value))
+
+    def restore(name: str) -> Callable[[BlockTrie, dict[str, Any]], object]:
+        return lambda t, c: t.restore(c[name], empty_state())
+
+    def release(name: str) -> Callable[[BlockTrie, dict[str, Any]], object]:
+        return lambda t, c: t.release(c[name])
+
+    a = [1, 1, 1, 1, 2, 2, 2, 2, 3]
+    return [
+        ("match a", match("a", a)),
+        ("allocate a", alloc("a", 9)),
+        ("commit a", commit("a", 9)),
+        ("save a@6", save("a", 6, 1.0)),
+        ("save a@9", save("a", 9, 2.0)),
+        ("release a", release("a")),
+        ("match b", match("b", [4, 4, 4, 4, 5, 5, 5, 5, 6])),
+        ("allocate b", alloc("b", 9)),
+        ("commit b", commit("b", 9)),
+        ("save b@8", save("b", 8, 3.0)),
+        ("save b@9", save("b", 9, 4.0)),
+        ("release b", release("b")),
+        ("match c", match("c", [7] * 13)),
+        ("allocate c", alloc("c", 13)),
+        ("commit c", commit("c", 13)),
+        ("save c@13", save("c", 13, 5.0)),
+        ("match d", match("d", [*a, 9])),
+        ("restore d", restore("d")),
+        ("allocate d", alloc("d", 10)),
+        ("commit d", commit("d", 10)),
+        ("save d@10", save("d", 10, 6.0)),
+        ("release c", release("c")),
+        ("match e", match("e", [8] * 17)),
+        ("allocate e", alloc("e", 17)),
+        ("commit e", commit("e", 17)),
+        ("save e@14", save("e", 14, 7.0)),
+        ("release d", release("d")),
+        ("release e", release("e")),
+    ]
+
+
+def _fresh() -> BlockTrie:
+    trie, _ = ssm_trie(num_blocks=10, slots=3, manual=False)
+    return trie
+
+
+def _comparable(snap: Snapshot) -> dict[str, Any]:
+    out = frozen(snap)
+    out["free_blocks"] = sorted(out["free_blocks"])
+    out["free_slots"] = sorted(out["free_slots"])
+    return out
+
+
+def _only_make_room_evictions(before: Snapshot, after: Snapshot) -> None:
+    """`after` is `before` less some evicted nodes / checkpoints, counted in the stats."""
+    for key in ("sequences", "copies", "explicit_pins", "roots", "refcounts"):
+        if key != "refcounts":
+            assert after[key] == before[key], key
+    gone_nodes = set(before["nodes"]) - set(after["nodes"])
+    gone_ckpts = set(before["checkpoints"]) - set(after["checkpoints"])
+    assert set(after["nodes"]) <= set(before["nodes"])
+    assert set(after["checkpoints"]) <= set(before["checkpoints"])
+    for cid in after["checkpoints"]:
+        assert after["checkpoints"][cid] == before["checkpoints"][cid], cid
+    for nid, node in after["nodes"].items():
+        old = before["nodes"][nid]
+        for field_name in ("key", "block", "tick", "depth", "parent"):
+            assert node[field_name] == old[field_name], (nid, field_name)
+    freed = {before["nodes"][n]["block"] for n in gone_nodes}
+    freed |= {
+        before["checkpoints"][c]["frozen_block"]
+        for c in gone_ckpts
+        if before["checkpoints"][c]["frozen_block"] is not None
+    }
+    assert set(after["free_blocks"]) == set(before["free_blocks"]) | freed
+    stats_before, stats_after = before["stats"], after["stats"]
+    for name, value in stats_after.items():
+        if name == "evicted_blocks":
+            assert value - stats_before[name] == len(freed)
+        elif name == "evicted_checkpoints":
+            assert value - stats_before[name] == len(gone_ckpts)
+        else:
+            assert value == stats_before[name], name
+
+
+def test_allocation_failures_under_capacity_pressure_leave_only_make_room_evictions() -> None:
+    """Every allocation point of every allocate / save / restore of a workload on a
+    full cache: the failing operation changes nothing except the make-room evictions
+    it did first (they stay done, counted); check() passes; retrying then gives the
+    same end state as a run that never failed."""
+    script = _script()
+    reference = _fresh()
+    ctx: dict[str, Any] = {}
+    points_per_op: list[int] = []
+    for _, op in script:
+        reference.faults.reset()
+        op(reference, ctx)
+        points_per_op.append(len(reference.faults.points))
+    reference.check()
+    final = _comparable(reference.snapshot())
+    assert sum(points_per_op) >= 12, points_per_op
+    injected = with_evictions = 0
+    for i, points in enumerate(points_per_op):
+        for k in range(points):
+            trie = _fresh()
+            ctx = {}
+            for _, op in script[:i]:
+                op(trie, ctx)
+            before = trie.snapshot()
+            clock = trie.clock
+            trie.faults.arm(after=k)
+            with pytest.raises(AllocationFailed):
+                script[i][1](trie, ctx)
+            trie.faults.disarm()
+            injected += 1
+            after = trie.snapshot()
+            trie.check()
+            assert trie.clock == clock
+            if frozen(after) != frozen(before):
+                with_evictions += 1
+                _only_make_room_evictions(before, after)
+            for _, op in script[i:]:
+                op(trie, ctx)
+            trie.check()
+            assert _comparable(trie.snapshot()) == final, f"{script[i][0]}, point {k}"
+    assert injected == sum(points_per_op)
+    assert with_evictions > 0, "the script must exercise failures after make-room evictions"
