@@ -1,6 +1,6 @@
 """blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
 
-Three sections (``--sections replay,evict,ckpt``):
+Three sections by default (``--sections replay,evict,ckpt``), and ``soak`` on request:
 
 - **replay**: the built-in synthetic workload (the same as ``blocktrie
   replay``; or ``--trace`` a Mooncake / token jsonl) replayed through
@@ -14,6 +14,9 @@ Three sections (``--sections replay,evict,ckpt``):
 - **ckpt**: SSM checkpoint save and restore throughput (copies/s and bytes/s)
   for a realistic state (default 64 layers x 2 MiB), against a plain torch
   ``copy_`` of the same bytes in the same run.
+- **soak**: `bench.soak.run_soak`: millions of random operations with
+  ``ManualCopies`` completing in random order, ``check()`` every N steps;
+  steps/s, memory at start and end, failures (``--soak-steps``).
 """
 
 from __future__ import annotations
@@ -517,6 +520,27 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench.soak import run_soak
+
+    result = run_soak(args.soak_steps, args.seed, args.soak_check_every, trace_memory=args.memory)
+    out["soak"] = result
+    console.print(
+        f"[bold]soak[/bold]: {result['steps']:,} steps in {result['seconds']} s "
+        f"({result['steps_per_s']:,} steps/s), {result['checks']} checks, "
+        f"{result['failures']} failures, {result['restores_verified']:,} restores verified; "
+        f"RSS {result['rss_kib_start'] // 1024} -> {result['rss_kib_end'] // 1024} MiB"
+        + (
+            f"; traced {result['traced_kib_warm']} KiB after warm-up -> "
+            f"{result['traced_kib_end']} KiB at the end"
+            if "traced_kib_end" in result
+            else ""
+        )
+    )
+    for sample in result["failure_samples"]:
+        console.print(f"  [red]failure[/red] {sample}")
+
+
 def _ints(text: str) -> list[int]:
     return [int(float(x)) for x in text.split(",") if x.strip()]
 
@@ -528,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--sections", default="replay,evict,ckpt", help="comma-separated: replay, evict, ckpt"
+        "--sections", default="replay,evict,ckpt", help="comma-separated: replay, evict, ckpt, soak"
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
     p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS)
@@ -565,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=int, default=3, help="replay and ckpt: best of N interleaved runs"
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument("--soak-steps", type=int, default=1_000_000)
+    p.add_argument("--soak-check-every", type=int, default=10_000)
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p
 
@@ -582,7 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     for name in sections:
         t0 = time.perf_counter()
-        {"replay": bench_replay, "evict": bench_evict, "ckpt": bench_ckpt}[name](args, out)
+        {"replay": bench_replay, "evict": bench_evict, "ckpt": bench_ckpt, "soak": bench_soak}[
+            name
+        ](args, out)
         console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")
     if args.json:
         with open(args.json, "w") as f:
