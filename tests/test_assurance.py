@@ -669,3 +669,53 @@ def test_allocation_failures_under_capacity_pressure_leave_only_make_room_evicti
             assert _comparable(trie.snapshot()) == final, f"{script[i][0]}, point {k}"
     assert injected == sum(points_per_op)
     assert with_evictions > 0, "the script must exercise failures after make-room evictions"
+
+
+def _copy_fault(error: BaseException) -> Callable[[Copy], None]:
+    """A `Copy.run` whose first call raises `error`; later calls move the data."""
+    real = Copy.run
+    calls = [0]
+
+    def run(copy: Copy) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise error
+        real(copy)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(RuntimeError("CUDA error: an illegal memory access"), id="Exception",
+                     marks=_fix("4")),
+        pytest.param(KeyboardInterrupt(), id="BaseException", marks=_fix("2")),
+    ],
+)  # fmt: skip
+def test_copy_failures_under_capacity_pressure_leave_only_make_room_evictions(
+    error: BaseException, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every save / restore of the full-cache workload, its copy raising when queued:
+    the operation raises (a `CacheError`, or the `BaseException` itself), and leaves
+    only make-room evictions (a replaced checkpoint counts as evicted); check() passes."""
+    script = _script()
+    copy_ops = [i for i, (name, _) in enumerate(script) if name.startswith(("save", "restore"))]
+    for i in copy_ops:
+        trie = _fresh()
+        ctx: dict[str, Any] = {}
+        for _, op in script[:i]:
+            op(trie, ctx)
+        before = trie.snapshot()
+        with monkeypatch.context() as patch:
+            patch.setattr(Copy, "run", _copy_fault(error))
+            expected = CacheError if isinstance(error, Exception) else type(error)
+            with pytest.raises(expected):
+                script[i][1](trie, ctx)
+        trie.check()
+        if frozen(trie.snapshot()) != frozen(before):
+            _only_make_room_evictions(before, trie.snapshot())
+        for seq in list(trie.snapshot()["sequences"]):
+            trie.release(next(s for s in ctx.values() if s.serial == seq))
+        trie.check()
+        trie.clear()  # nothing leaked: no copy in flight, no pin left
