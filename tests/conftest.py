@@ -32,8 +32,8 @@ settings.register_profile(
 settings.register_profile(
     "mutation",
     derandomize=True,
-    max_examples=40,
-    stateful_step_count=40,
+    max_examples=20,
+    stateful_step_count=30,
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )

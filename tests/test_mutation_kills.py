@@ -14,6 +14,7 @@ from enum import Enum
 
 import pytest
 import torch
+from transitions import Machine
 
 from cache.faults import Faults
 from cache.kv_pool import KVBlockPool
@@ -129,11 +130,22 @@ def test_machine_is_flat_without_auto_transitions_and_drives_a_model(life: Lifec
     getattr(model, trigger)()
     assert model.state == dest
     bare = life.machine()
+    assert type(bare) is Machine, "a plain machine unless graph=True"
     assert bare.initial == life.initial
     assert bare.get_triggers(life.initial) and "to_" + life.initial not in dir(bare)
 
 
+@pytest.mark.parametrize("life", [NODE, CHECKPOINT], ids=lambda life: life.name)
+def test_graph_machine_draws_a_titled_mermaid_diagram(life: Lifecycle) -> None:
+    text = life.machine(graph=True).get_graph().draw(None)
+    assert text.startswith(f"---\n{life.name} lifecycle\n---\nstateDiagram")
+    for state in life.states:
+        assert state in text
+
+
 def test_route_and_step_name_the_lifecycle_and_states_when_illegal() -> None:
+    with pytest.raises(IllegalTransition, match=r"from state 'freed'$"):
+        NODE.route("freed", "evictable")  # no subject: no " on ..." suffix
     assert NODE.route("cached", "freed") == ("idle", "free")
     assert NODE.route("pinned", "pinned") == ()
     with pytest.raises(IllegalTransition, match=r"^node lifecycle: trigger '-> cached' is not "
