@@ -259,8 +259,9 @@ def test_lru_remove_of_a_stranger_with_a_live_tick_raises() -> None:
     index: LRUIndex[_Item] = LRUIndex()
     member, stranger = _Item(3, 1), _Item(3, 2)
     index.add(member)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as info:
         index.remove(stranger)
+    assert info.value.args == (stranger,), "the error names the object"
     assert len(index) == 1 and index.oldest() is member
     assert stranger not in index and _Item(4, 1) not in index
 
@@ -275,3 +276,43 @@ def test_lru_stale_heap_is_compacted() -> None:
     keep = _Item(1000, 0)
     index.add(keep)
     assert index.oldest() is keep and bool(index)
+
+
+def test_lru_heap_is_rebuilt_only_when_stale_ticks_outnumber_live_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Amortized O(log n): with 100 live ticks, 1000 add/remove churns rebuild the
+    heap only every ~2 x 100 + 64 stale ticks, not on every add."""
+    import heapq
+
+    rebuilds = [0]
+    real = heapq.heapify
+
+    def counting(heap: list[int]) -> None:
+        rebuilds[0] += 1
+        real(heap)
+
+    monkeypatch.setattr(heapq, "heapify", counting)
+    index: LRUIndex[_Item] = LRUIndex()
+    live = [_Item(t, t) for t in range(100)]
+    for item in live:
+        index.add(item)
+    for t in range(100, 1100):
+        item = _Item(t, t)
+        index.add(item)
+        index.remove(item)
+    assert 1 <= rebuilds[0] <= 1000 // 200 + 1, rebuilds[0]
+    assert index.oldest() is live[0] and len(index) == 100
+
+
+def test_kv_pool_tensor_has_the_configured_dtype_and_device() -> None:
+    pool = KVBlockPool(2, (3,), torch.float16, torch.device("meta"), Faults())
+    assert pool.tensor is not None
+    assert pool.tensor.dtype == torch.float16 and pool.tensor.device.type == "meta"
+    assert tuple(pool.tensor.shape) == (2, 3)
+
+
+def test_step_without_a_subject_names_no_subject() -> None:
+    with pytest.raises(IllegalTransition, match=r"^node lifecycle: trigger 'free' is not "
+                       r"allowed from state 'cached'$"):  # fmt: skip
+        NODE.step("free", "cached")
