@@ -16,11 +16,12 @@ import pytest
 import torch
 from transitions import Machine
 
+from cache import BlockTrie, Copy, ManualCopies
 from cache.faults import Faults
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
 from spec import lifecycle
-from spec.errors import CacheError, IllegalTransition, OutOfBlocks
+from spec.errors import CacheError, IllegalTransition, InvalidType, OutOfBlocks
 from spec.lifecycle import (
     CHECKPOINT,
     CHECKPOINT_TRANSITIONS,
@@ -30,6 +31,8 @@ from spec.lifecycle import (
     Lifecycle,
     NodeState,
 )
+from tests.helpers import ssm_trie
+from tests.helpers import state as runtime_state
 
 CASES = [
     ("node", NodeState, NodeState.CACHED, NODE_TRANSITIONS, NODE),
@@ -316,3 +319,62 @@ def test_step_without_a_subject_names_no_subject() -> None:
     with pytest.raises(IllegalTransition, match=r"^node lifecycle: trigger 'free' is not "
                        r"allowed from state 'cached'$"):  # fmt: skip
         NODE.step("free", "cached")
+
+
+# -------------------------------------------------------------------- cache/copies.py
+
+
+def _two_independent_saves() -> tuple[ManualCopies, Copy, Copy, BlockTrie]:
+    trie, copies = ssm_trie(slots=4)
+    assert copies is not None
+    a = trie.match([1, 1, 1, 1, 2])
+    trie.allocate(a, 5)
+    trie.commit(a, 5)
+    b = trie.match([3, 3, 3, 3, 4])
+    trie.allocate(b, 5)
+    trie.commit(b, 5)
+    first = trie.save(a, 4, runtime_state(1.0))
+    second = trie.save(b, 4, runtime_state(2.0))
+    assert first is not None and second is not None
+    return copies, first, second, trie
+
+
+def test_completing_a_copy_leaves_independent_earlier_copies_pending() -> None:
+    copies, first, second, trie = _two_independent_saves()
+    assert first.resources.isdisjoint(second.resources)
+    copies.complete(second)
+    assert second.done and not first.done
+    assert copies.pending() == [first]
+    assert repr(first) == "<Copy #1 save step=4 pending>"
+    assert repr(second) == "<Copy #2 save step=4 done>"
+    assert first.kind == "save" and first.step == 4
+    first.wait()  # under ManualCopies, wait completes it
+    assert first.done and copies.pending() == []
+    assert trie.poll() == 2
+    trie.check()
+
+
+def test_manual_complete_names_the_wrong_argument_type() -> None:
+    with pytest.raises(InvalidType, match=r"^complete\(\) takes a Copy, got str$"):
+        ManualCopies().complete("copy")  # type: ignore[arg-type]
+
+
+def test_an_unqueued_copy_waits_for_nothing() -> None:
+    copy = Copy("save", 3, [], [("slot", 0)], 7)
+    copy.wait()
+    assert not copy.done and copy.step == 3 and copy.serial == 7
+    assert copy.resources == frozenset({("slot", 0)})
+
+
+def test_forget_stops_tracking_exactly_that_copy() -> None:
+    engine = ManualCopies()
+    engine.forget(Copy("save", 1, [], [], 1))  # nothing tracked: nothing to do
+    copies = [Copy("save", i, [], [("slot", i)], i) for i in range(3)]
+    for copy in copies:
+        engine.queue(copy)
+    engine.forget(copies[1])
+    assert engine.pending() == [copies[0], copies[2]]
+    engine.forget(copies[2])
+    assert engine.pending() == [copies[0]]
+    engine.forget(Copy("save", 9, [], [], 9))  # not tracked: nothing changes
+    assert engine.pending() == [copies[0]]
