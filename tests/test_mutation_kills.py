@@ -378,3 +378,61 @@ def test_forget_stops_tracking_exactly_that_copy() -> None:
     assert engine.pending() == [copies[0]]
     engine.forget(Copy("save", 9, [], [], 9))  # not tracked: nothing changes
     assert engine.pending() == [copies[0]]
+
+
+# ---------------------------------------------------------------- cache/validation.py
+
+
+class _Fickle:
+    """An `__index__` that first answers -1 (the fast path refuses it), then 5."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __index__(self) -> int:
+        self.calls += 1
+        return -1 if self.calls == 1 else 5
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([0, 2**64], r"^tokens must be in \[0, 2\*\*64\); found 18446744073709551616$"),
+        ([200, -1], r"^tokens must be in \[0, 2\*\*64\); found -1$"),
+        ([0, 1, "x"], r"^tokens must contain only integers; found 'x'$"),
+    ],
+)
+def test_bad_tokens_name_the_first_offender(tokens: list[object], message: str) -> None:
+    from cache.validation import token_list
+
+    with pytest.raises(CacheError, match=message):
+        token_list(tokens)
+
+
+def test_tokens_refused_by_the_fast_path_alone_still_raise_invalid_type() -> None:
+    from cache.validation import token_list
+
+    with pytest.raises(InvalidType, match=r"^tokens are not integer token ids$"):
+        token_list([_Fickle()])
+
+
+def test_extra_of_the_wrong_type_is_named() -> None:
+    from cache.validation import extra_tuple
+
+    with pytest.raises(
+        InvalidType, match=r"^extra must be None or a list/tuple of per-block identities, got str$"
+    ):
+        extra_tuple("ab")
+
+
+# -------------------------------------------------------------------- cache/faults.py
+
+
+def test_arm_defaults_to_the_next_allocation_point() -> None:
+    faults = Faults()
+    faults.arm()
+    with pytest.raises(CacheError, match=r"^injected allocation failure at kv\.take$"):
+        faults.check("kv.take")
+    faults.check("kv.take")
+    with pytest.raises(ValueError, match=r"^after must be >= 0$"):
+        faults.arm(after=-1)
