@@ -409,6 +409,13 @@ def test_bad_tokens_name_the_first_offender(tokens: list[object], message: str) 
         token_list(tokens)
 
 
+def test_tokens_that_are_not_a_list_name_their_type() -> None:
+    from cache.validation import token_list
+
+    with pytest.raises(InvalidType, match=r"^prompt must be a list or tuple of ints, got str$"):
+        token_list("12", what="prompt")
+
+
 def test_tokens_refused_by_the_fast_path_alone_still_raise_invalid_type() -> None:
     from cache.validation import token_list
 
