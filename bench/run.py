@@ -1,6 +1,6 @@
 """blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
 
-Four sections (``--sections replay,evict,ckpt,events``):
+Four sections by default (``--sections replay,evict,ckpt,events``), and ``soak`` on request:
 
 - **replay**: the built-in synthetic workload (the same as ``blocktrie
   replay``; or ``--trace`` a Mooncake / token jsonl) replayed through
@@ -17,6 +17,9 @@ Four sections (``--sections replay,evict,ckpt,events``):
 - **events**: KV events per stored block (hash, build, encode, publish on
   loopback) as a ratio to the cache's own per-block cost in the same run
   (`bench.events`; needs the ``events`` extra, skipped without it).
+- **soak**: `bench.soak.run_soak`: millions of random operations with
+  ``ManualCopies`` completing in random order, ``check()`` every N steps;
+  steps/s, memory at start and end, failures (``--soak-steps``).
 """
 
 from __future__ import annotations
@@ -541,6 +544,27 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench.soak import run_soak
+
+    result = run_soak(args.soak_steps, args.seed, args.soak_check_every, trace_memory=args.memory)
+    out["soak"] = result
+    console.print(
+        f"[bold]soak[/bold]: {result['steps']:,} steps in {result['seconds']} s "
+        f"({result['steps_per_s']:,} steps/s), {result['checks']} checks, "
+        f"{result['failures']} failures, {result['restores_verified']:,} restores verified; "
+        f"RSS {result['rss_kib_start'] // 1024} -> {result['rss_kib_end'] // 1024} MiB"
+        + (
+            f"; traced {result['traced_kib_warm']} KiB after warm-up -> "
+            f"{result['traced_kib_end']} KiB at the end"
+            if "traced_kib_end" in result
+            else ""
+        )
+    )
+    for sample in result["failure_samples"]:
+        console.print(f"  [red]failure[/red] {sample}")
+
+
 def _ints(text: str) -> list[int]:
     return [int(float(x)) for x in text.split(",") if x.strip()]
 
@@ -554,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         default="replay,evict,ckpt,events",
-        help="comma-separated: replay, evict, ckpt, events",
+        help="comma-separated: replay, evict, ckpt, events, soak",
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
     p.add_argument(
@@ -595,6 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=int, default=3, help="replay and ckpt: best of N interleaved runs"
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument("--soak-steps", type=int, default=1_000_000)
+    p.add_argument("--soak-check-every", type=int, default=10_000)
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p
 
@@ -617,6 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "evict": bench_evict,
             "ckpt": bench_ckpt,
             "events": bench_events_section,
+            "soak": bench_soak,
         }[name](args, out)
         console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")
     if args.json:
