@@ -223,8 +223,11 @@ class BlockTrie:
         if seq.owner is not self:
             raise SequenceNotLive(f"{seq!r} belongs to another cache")
         if self._live.get(seq.serial) is not seq:
+            if not seq.live:
+                raise SequenceNotLive(f"{seq!r} was already released or aborted")
             raise SequenceNotLive(
-                f"{seq!r} is not live in this cache (released, aborted, or not made by match)"
+                f"{seq!r} is not live in this cache: not the object its match returned "
+                "(a copy, or built by hand)"
             )
         return seq
 

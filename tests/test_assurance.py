@@ -1,8 +1,8 @@
 """Regression tests for issue 12 (Assurance): items 2-5, 11 and 13-20.
 
-Items 2-11 are holes the audit found; their tests are strict xfails until the
-fix lands (flip them then). Items 13-20 are behaviours today's code has but no
-fast test pinned down; each test names the injected bug (mutant) it kills.
+Items 2-11 are holes the audit found; each test failed before its fix. Items
+13-20 are behaviours the code had but no fast test pinned down; each test
+names the injected bug (mutant) it kills.
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ from tests.helpers import empty_state, frozen, kv_trie, ssm_trie, state
 PROMPT = [1, 1, 1, 1, 2, 2, 2, 2, 3]
 
 
-def _fix(n: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 12 item {n}: fix pending")
-
-
 def _prefill(trie: BlockTrie, tokens: list[int], namespace: str = "") -> Sequence:
     seq = trie.match(tokens, namespace=namespace)
     trie.allocate(seq, len(tokens))
@@ -56,7 +52,6 @@ def _ckpt_steps(trie: BlockTrie) -> list[int]:
 # ------------------------------------------------------------------ item 2
 
 
-@_fix("2")
 def test_keyboard_interrupt_inside_a_copy_leaves_nothing_half_published(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -85,7 +80,6 @@ def test_keyboard_interrupt_inside_a_copy_leaves_nothing_half_published(
 # ------------------------------------------------------------------ item 3
 
 
-@_fix("3")
 def test_manual_copies_fail_drops_the_checkpoint_releases_pins_and_errors_dependents() -> None:
     trie, copies = ssm_trie()
     assert copies is not None
@@ -111,7 +105,6 @@ def test_manual_copies_fail_drops_the_checkpoint_releases_pins_and_errors_depend
     trie.check()
 
 
-@_fix("3")
 def test_a_failing_copy_can_be_failed_and_later_copies_on_its_slot_complete(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -136,7 +129,6 @@ def test_a_failing_copy_can_be_failed_and_later_copies_on_its_slot_complete(
     trie.check()
 
 
-@_fix("3")
 def test_manual_copies_fail_refuses_bad_arguments() -> None:
     copies = ManualCopies()
     with pytest.raises(InvalidType, match="Copy"):
@@ -151,7 +143,6 @@ def test_manual_copies_fail_refuses_bad_arguments() -> None:
 # ------------------------------------------------------------------ item 4
 
 
-@_fix("4")
 def test_an_oom_in_a_replacing_save_does_not_lose_the_old_checkpoint_silently(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -179,7 +170,6 @@ def test_an_oom_in_a_replacing_save_does_not_lose_the_old_checkpoint_silently(
 # ------------------------------------------------------------------ item 5
 
 
-@_fix("5")
 def test_saving_a_state_that_requires_grad_keeps_the_pool_out_of_autograd() -> None:
     trie, _ = ssm_trie(manual=False)
     seq = _prefill(trie, PROMPT)
@@ -201,7 +191,6 @@ def test_saving_a_state_that_requires_grad_keeps_the_pool_out_of_autograd() -> N
 # ----------------------------------------------------------------- item 11
 
 
-@_fix("11")
 def test_concurrent_use_from_four_threads_is_detected() -> None:
     trie = kv_trie(num_blocks=64)
     errors: list[BaseException] = []
@@ -688,9 +677,8 @@ def _copy_fault(error: BaseException) -> Callable[[Copy], None]:
 @pytest.mark.parametrize(
     "error",
     [
-        pytest.param(RuntimeError("CUDA error: an illegal memory access"), id="Exception",
-                     marks=_fix("4")),
-        pytest.param(KeyboardInterrupt(), id="BaseException", marks=_fix("2")),
+        pytest.param(RuntimeError("CUDA error: an illegal memory access"), id="Exception"),
+        pytest.param(KeyboardInterrupt(), id="BaseException"),
     ],
 )  # fmt: skip
 def test_copy_failures_under_capacity_pressure_leave_only_make_room_evictions(
@@ -721,7 +709,6 @@ def test_copy_failures_under_capacity_pressure_leave_only_make_room_evictions(
         trie.clear()  # nothing leaked: no copy in flight, no pin left
 
 
-@pytest.mark.xfail(strict=True, reason="soak finding: Faults.points grows without bound")
 def test_an_unarmed_fault_injector_does_not_record_every_allocation_forever() -> None:
     """The 10^6-step soak's traced memory grew 215 KiB -> 1.6 MiB: `Faults.points`
     keeps a string per pool take for the trie's whole life, armed or not."""

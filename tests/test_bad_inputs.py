@@ -19,7 +19,7 @@ sequence, receipt or copy of another cache, released, or not made by the cache
 at all), **config** (`CacheConfig` / `BlockTrie` construction), and **partial
 failure** (an error raised midway must leave nothing half-applied).
 
-Rows for holes issue 12 found are strict xfails until the fix lands.
+Rows for the holes issue 12 found (items 1, 6-10) failed before their fixes.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def build_world() -> World:
     kv_seq = _prefill(kv, [1, 2, 3, 4, 5])
 
     hashy = BlockTrie(CacheConfig(block_size=2, num_blocks=8, key_hash=_refuse_marked_keys))
-    hashy_seq = hashy.match([1, 2, 13, 14, 5])
+    hashy_seq = hashy.match([1, 2])
+    hashy.append(hashy_seq, [13, 14, 5])  # match builds its keys; commit builds these
     hashy.allocate(hashy_seq, 5)
 
     world = World(
@@ -189,10 +190,6 @@ def _arm_then(call: Callable[[World], object]) -> Callable[[World], object]:
             w.trie.faults.disarm()
 
     return run
-
-
-def _fix(n: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=f"issue 12 item {n}: fix pending")
 
 
 NO_CUDA = not torch.cuda.is_available()
@@ -294,12 +291,12 @@ def _rows() -> list[Any]:
         InvalidArgument, "requires grad")
     add(r, "restore-state-expanded", lambda w: w.trie.restore(
         w.live, _with("conv", _expanded(), empty_state())),
-        InvalidArgument, r"runtime_state\['conv'\]", _fix("8"))
+        InvalidArgument, r"runtime_state\['conv'\]")
     add(r, "restore-state-sparse", lambda w: w.trie.restore(
         w.live, _with("ssm", _sparse(), empty_state())),
-        InvalidArgument, r"runtime_state\['ssm'\]", _fix("8"))
+        InvalidArgument, r"runtime_state\['ssm'\]")
     add(r, "save-state-sparse", lambda w: w.trie.save(w.plain, 5, _with("ssm", _sparse())),
-        InvalidArgument, r"runtime_state\['ssm'\]", _fix("8"))
+        InvalidArgument, r"runtime_state\['ssm'\]")
     add(r, "faults-arm-negative", lambda w: w.trie.faults.arm(after=-1), ValueError, "after")
 
     # ------------------------------------------------------- lifecycle misuse
@@ -350,15 +347,15 @@ def _rows() -> list[Any]:
     add(f, "complete-foreign-copy", lambda w: w.copies.complete(w.foreign_copy),
         InvalidArgument, "Copy #")
     add(f, "abort-copied-sequence", lambda w: w.trie.abort(copy_module.copy(w.live)),
-        SequenceNotLive, "Sequence #", _fix("1"))
+        SequenceNotLive, "Sequence #")
     add(f, "release-copied-sequence", lambda w: w.trie.release(copy_module.copy(w.plain)),
-        SequenceNotLive, "Sequence #", _fix("1"))
+        SequenceNotLive, "Sequence #")
     add(f, "release-hand-built-sequence",
         lambda w: w.trie.release(Sequence(w.trie, 999, [1, 2], "", None)),
-        SequenceNotLive, "Sequence #999", _fix("1"))
+        SequenceNotLive, "Sequence #999")
     add(f, "release-hand-built-reused-serial",
         lambda w: w.trie.release(Sequence(w.trie, w.plain.serial, [5, 5, 5, 5, 6], "", None)),
-        SequenceNotLive, "Sequence #", _fix("1"))
+        SequenceNotLive, "Sequence #")
 
     # ---------------------------------------------------------------- config
     c = "config"
@@ -384,24 +381,24 @@ def _rows() -> list[Any]:
     add(c, "key_hash-int", _config(key_hash=5), ConfigError, "key_hash")
     add(c, "device-cuda-without-cuda", _config_and_trie(device="cuda"),
         (ValueError, TypeError), "device",
-        *((_fix("7"),) if NO_CUDA else (pytest.mark.skip(reason="CUDA is present"),)))
+        *(() if NO_CUDA else (pytest.mark.skip(reason="CUDA is present"),)))
     add(c, "num_blocks-2**62", _config_and_trie(num_blocks=2**62),
-        (ValueError, TypeError), "num_blocks", _fix("7"))
+        (ValueError, TypeError), "num_blocks")
     add(c, "kv_block_shape-huge", _config_and_trie(kv_block_shape=(2**40, 2**40)),
-        (ValueError, TypeError), "kv_block_shape", _fix("7"))
+        (ValueError, TypeError), "kv_block_shape")
     add(c, "state_shapes-huge",
         _config_and_trie(num_checkpoint_slots=4, state_shapes={"ssm": (2**31, 2**31)}),
-        (ValueError, TypeError), "state_shapes", _fix("7"))
+        (ValueError, TypeError), "state_shapes")
     add(c, "enable_events-str", _config(enable_events="no"),
-        (ValueError, TypeError), "enable_events", _fix("7"))
+        (ValueError, TypeError), "enable_events")
 
     # ------------------------------------------------------- partial failure
     p = "partial"
     add(p, "key_hash-raises-mid-commit", lambda w: w.hashy.commit(w.hashy_seq, 5),
-        ValueError, "key_hash", _fix("9"))
+        ValueError, "key_hash")
     add(p, "failed-save-leaves-no-namespace-root",
         _arm_then(lambda w: w.trie.save(w.fresh_ns, 1, state(1.0))),
-        AllocationFailed, "slots.take", _fix("10"))
+        AllocationFailed, "slots.take")
     # fmt: on
     return rows
 
@@ -439,7 +436,6 @@ def test_bad_input_is_refused_and_changes_nothing(
         pytest.param(lambda v: torch.tensor([v]), id="1-element"),
     ],
 )
-@pytest.mark.xfail(strict=True, reason="issue 12 item 6: fix pending")
 def test_integer_tensors_as_tokens_are_refused_or_share_nodes(
     token: Callable[[int], torch.Tensor],
 ) -> None:

@@ -162,7 +162,7 @@ def test_route_and_step_name_the_lifecycle_and_states_when_illegal() -> None:
     assert CHECKPOINT.route("reserved", "pinned") == ("publish", "pin")
     assert lifecycle._name(NodeState.PINNED) == "pinned"
     assert lifecycle._name("evictable") == "evictable"
-    assert CHECKPOINT.can("unpin_last", "pinned") and not CHECKPOINT.can("unpin_last", "published")
+    assert CHECKPOINT.can("unpin", "pinned") and not CHECKPOINT.can("unpin", "published")
 
 
 @pytest.mark.parametrize(
@@ -345,8 +345,8 @@ def test_completing_a_copy_leaves_independent_earlier_copies_pending() -> None:
     copies.complete(second)
     assert second.done and not first.done
     assert copies.pending() == [first]
-    assert repr(first) == "<Copy #1 save step=4 pending>"
-    assert repr(second) == "<Copy #2 save step=4 done>"
+    assert repr(first) == "<Copy #1 save step=4 queued>"
+    assert repr(second) == "<Copy #2 save step=4 finished>"
     assert first.kind == "save" and first.step == 4
     first.wait()  # under ManualCopies, wait completes it
     assert first.done and copies.pending() == []
@@ -441,5 +441,5 @@ def test_arm_defaults_to_the_next_allocation_point() -> None:
     with pytest.raises(CacheError, match=r"^injected allocation failure at kv\.take$"):
         faults.check("kv.take")
     faults.check("kv.take")
-    with pytest.raises(ValueError, match=r"^after must be >= 0$"):
+    with pytest.raises(ValueError, match=r"^after must be >= 0, got -1$"):
         faults.arm(after=-1)
