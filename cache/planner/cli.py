@@ -405,8 +405,6 @@ def _run_fleet(
 ) -> dict[str, Any]:
     """The ``fleet`` document: the chosen router's replay (streamed with --publish), and
     a round-robin replay to compare with when the router is another one."""
-    import zmq
-
     from cache.planner.fleet import make_router, replay_fleet
     from cache.planner.publish import Publishers
 
@@ -440,6 +438,8 @@ def _run_fleet(
 
     publish = None
     if args.publish is not None:
+        import zmq
+
         wait = DEFAULT_PUBLISH_WAIT if args.publish_wait is None else args.publish_wait
         try:
             with Publishers(replica_endpoints(args.publish, n), wait) as publishers:

@@ -30,10 +30,10 @@ Routers (`ROUTERS`):
   then lowest id. Pure prefix scoring piles every request that shares a
   first block (a system prompt) onto one replica, so `PrefixRouter` takes an
   optional load bound ``max_load`` F (``--prefix-max-load``): a replica is a
-  candidate only while its in-flight count plus one is at most F times the
-  fleet's mean (counting the new request), the least-loaded replica always
-  being one, in the spirit of SGLang's cache-aware router and of consistent
-  hashing with bounded loads.
+  candidate only while its in-flight count plus one is at most
+  ``ceil(F x (fleet in-flight + 1) / N)`` (the least-loaded replica always
+  is one), the bound of consistent hashing with bounded loads, in the spirit
+  of SGLang's cache-aware router.
 
 With one replica the fleet replays exactly as `cache.planner.replay.replay`
 does attention-only (the tests check it). Needs the ``events`` extra
@@ -42,6 +42,7 @@ does attention-only (the tests check it). Needs the ``events`` extra
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -272,7 +273,7 @@ class PrefixRouter(Router):
         n = self.replicas
         if self.max_load is None:
             return list(range(n))
-        bound = self.max_load * (sum(load.in_flight) + 1) / n
+        bound = math.ceil(self.max_load * (sum(load.in_flight) + 1) / n)
         least = load.least(range(n))
         return [r for r in range(n) if r == least or load.in_flight[r] + 1 <= bound]
 
