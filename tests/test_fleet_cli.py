@@ -192,3 +192,49 @@ def test_publish_on_a_used_port_fails_with_one_line(capsys: pytest.CaptureFixtur
         taken.close(linger=0)
         ctx.term()
     assert code == 1 and err.count("\n") == 1 and "--publish" in err, err
+
+
+def test_publish_one_stream_per_replica(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Two replicas on ipc://PATH-0 and -1: each stream carries its replica's rank and
+    exactly its published batches; the evictions add up to the report's."""
+    import msgspec
+
+    base = f"ipc://{tmp_path}/kv"
+    ctx = zmq.Context()
+    subs = []
+    for i in range(2):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"{base}-{i}")  # ZMQ retries until the replay binds
+        subs.append(sub)
+    got: list[list[list[bytes]]] = [[], []]
+    done = threading.Event()
+    threads = [
+        threading.Thread(target=_receive, args=(sub, done, out), daemon=True)
+        for sub, out in zip(subs, got, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        code, out, err = run(
+            capsys, "replay", *SMALL, "--replicas", "2", "--publish", base,
+            "--publish-wait", "0.5", "--capacity", "60", "--json",
+        )  # fmt: skip
+    finally:
+        done.set()
+        for t in threads:
+            t.join(10)
+        for sub in subs:
+            sub.close(linger=0)
+        ctx.term()
+    assert code == 0, err
+    fleet = json.loads(out)["fleet"]
+    removed = 0
+    for i, stats in enumerate(fleet["publish"]):
+        assert stats["endpoint"] == f"{base}-{i}" and stats["dropped_batches"] == 0
+        assert stats["published_batches"] == len(got[i]) > 0
+        for _, _, payload in got[i]:
+            _ts, events, rank = msgspec.msgpack.decode(payload)
+            assert rank == i
+            removed += sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockRemoved")
+    assert removed == fleet["result"]["evicted_blocks"] > 0

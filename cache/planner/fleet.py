@@ -348,16 +348,23 @@ class FleetResult:
 
 
 def make_replicas(
-    n: int, block_size: int, capacity: int, *, scheme: str = "xxh3", seed: int = 0
+    n: int,
+    block_size: int,
+    capacity: int,
+    *,
+    scheme: str = "xxh3",
+    seed: int = 0,
+    events: bool = True,
 ) -> list[Any]:
-    """`n` ids-only `BlockTrie`s of `capacity` blocks, events on, hashing with (scheme, seed)."""
+    """`n` ids-only `BlockTrie`s of `capacity` blocks, hashing with (scheme, seed); events
+    on unless `events` is False."""
     from cache import BlockTrie, CacheConfig
 
     config = CacheConfig(
         block_size=block_size,
         num_blocks=capacity,
         kv_block_shape=None,
-        enable_events=True,
+        enable_events=events,
         block_hash=scheme,
         hash_seed=seed,
     )
@@ -389,7 +396,8 @@ def replay_fleet(
 ) -> FleetResult:
     """Replay `workload` across ``router.replicas`` replicas (see the module docstring).
 
-    `caches` (default: `make_replicas`) must have events on. `on_events(replica,
+    `caches` default to `make_replicas`, with events on when the router reads them or
+    `on_events` is given (given caches must then have events on). `on_events(replica,
     events)` receives every non-empty drained batch (the ``--publish`` hook).
     `progress(n)` is called with the requests done, every 64.
     """
@@ -398,10 +406,11 @@ def replay_fleet(
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     n = router.replicas
+    events = router.wants_events or on_events is not None
     tries = (
         list(caches)
         if caches is not None
-        else make_replicas(n, block_size, capacity, scheme=scheme, seed=seed)
+        else make_replicas(n, block_size, capacity, scheme=scheme, seed=seed, events=events)
     )
     if len(tries) != n:
         raise ValueError(f"the router has {n} replicas but {len(tries)} caches were given")
