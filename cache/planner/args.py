@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--router",
         choices=ROUTER_NAMES,
         help="how requests are spread over the replicas (default: prefix); prefix scores "
-        "replicas from their decoded KV-event bytes, and is compared with round-robin",
+        "replicas from their decoded KV-event bytes; each is compared with round-robin",
     )
     fl.add_argument(
         "--prefix-max-load",
