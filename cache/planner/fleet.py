@@ -52,7 +52,7 @@ from typing import Any
 import msgspec
 
 from cache.block_hash import BlockHasher, to_wire
-from cache.planner.replay import ReplayResult
+from cache.planner.replay import ReplayResult, allocate_what_fits
 from cache.planner.workload import Request, Workload
 
 __all__ = [
@@ -516,14 +516,7 @@ def replay_fleet(
                 cache.append(seq, output)
                 want = plen + len(output)
                 if not allocate(r, seq, want):
-                    k = len(seq.block_ids) * b
-                    while k < want:
-                        k = min(k + b, want)
-                        try:
-                            cache.allocate(seq, k)
-                        except OutOfBlocks:
-                            break
-                    want = min(want, len(seq.block_ids) * b)
+                    want = allocate_what_fits(cache, seq, want, b)
                 cache.commit(seq, want)
                 total = want
                 res.decode_tokens += want - plen

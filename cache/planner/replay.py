@@ -78,6 +78,19 @@ class CacheLike(Protocol):
     def restore(self, seq: Any, runtime_state: Mapping[str, torch.Tensor] | None) -> Any: ...
 
 
+def allocate_what_fits(cache: CacheLike, seq: Any, want: int, block_size: int) -> int:
+    """Grow `seq`'s block table toward `want` tokens one block at a time, as far
+    as the pool allows; returns the tokens it covers (at most `want`)."""
+    n = len(seq.block_ids) * block_size
+    while n < want:
+        n = min(n + block_size, want)
+        try:
+            cache.allocate(seq, n)
+        except OutOfBlocks:
+            break
+    return min(want, len(seq.block_ids) * block_size)
+
+
 @dataclass
 class ReplayResult:
     """What one replay measured. `to_dict` is the --json form."""
@@ -279,15 +292,7 @@ def replay(
             cache.append(seq, output)
             want = plen + len(output)
             if not allocate(seq, want):
-                # As far as the pool allows, one block at a time.
-                n = len(seq.block_ids) * b
-                while n < want:
-                    n = min(n + b, want)
-                    try:
-                        cache.allocate(seq, n)
-                    except OutOfBlocks:
-                        break
-                want = min(want, len(seq.block_ids) * b)
+                want = allocate_what_fits(cache, seq, want, b)
             cache.commit(seq, want)
             total = want
             decode_tokens += want - plen
