@@ -121,7 +121,7 @@ class Evictor:
         parent = node.parent
         if parent is None:
             raise InvariantViolation("topology", f"evictable {node!r} has no parent")
-        del parent.children[node.key]
+        parent.detach_child(node.key)
         node.state = freed_state
         node.parent = None
         self.owner[node.block] = None

@@ -6,6 +6,30 @@ The trie (`cache.trie`) owns every mutation; these classes hold state only.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any, NoReturn
+
+
+class _NoChildren(dict[Hashable, "Node"]):
+    """The empty `children` every leaf shares (type of `NO_CHILDREN`); it refuses writes.
+
+    Most nodes of a trie are leaves or chain links; one shared empty mapping
+    instead of an empty `dict` per leaf saves its 64 bytes and one allocation
+    (one garbage-collected object) per attached block. Reads are plain `dict`
+    reads; a write raises `TypeError`, so a missed "give the parent its own
+    dict first" cannot silently give every leaf a child.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("NO_CHILDREN is shared by every leaf and is read-only")
+
+    __setitem__ = __delitem__ = setdefault = update = pop = popitem = clear = _refuse
+    __ior__ = _refuse  # type: ignore[assignment]
+
+
+NO_CHILDREN: dict[Hashable, Node] = _NoChildren()
+"""A leaf's `children`: the one shared, empty, read-only mapping (`Node.children`)."""
 
 
 class Node:
@@ -16,7 +40,10 @@ class Node:
     by `HashedKey` when a test injects a key hash). `state` is the stored
     lifecycle state (`spec.lifecycle.NodeState` values; `ROOT` for roots).
     `tick`/`serial` order eviction; `block_hash` is the chained hash that
-    events carry. Built by keyword only.
+    events carry. `children` is `NO_CHILDREN` (shared, read-only) while the
+    node has none: whoever adds the first child gives the node its own dict,
+    and whoever removes the last one puts `NO_CHILDREN` back (`attach_child`,
+    `detach_child`). Built by keyword only.
     """
 
     __slots__ = (
@@ -61,8 +88,22 @@ class Node:
         self.tick = tick
         self.block_hash = block_hash
         self.state = state
-        self.children: dict[Hashable, Node] = {}
+        self.children: dict[Hashable, Node] = NO_CHILDREN
         self.checkpoint: Checkpoint | None = None
+
+    def attach_child(self, key: Hashable, child: Node) -> None:
+        """Make `child` this node's child under `key` (its own dict on the first child)."""
+        children = self.children
+        if children is NO_CHILDREN:
+            children = self.children = {}
+        children[key] = child
+
+    def detach_child(self, key: Hashable) -> None:
+        """Remove the child under `key` (`KeyError` if absent); the last one frees the dict."""
+        children = self.children
+        del children[key]
+        if not children:
+            self.children = NO_CHILDREN
 
     def __repr__(self) -> str:
         return (

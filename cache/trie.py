@@ -431,7 +431,7 @@ class BlockTrie:
             else chain(parent.block_hash, tokens, extra, parent.namespace),
             state=_CACHED,
         )
-        parent.children[key] = node
+        parent.attach_child(key, node)
         self._evictor.adopt(node)
         # No state changes: the parent is a root or on the committing sequence's
         # path (held, so `cached` or `pinned` with or without children), and the
