@@ -8,6 +8,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, NoReturn
 
+from cache.keys import HashedKey, key_tokens
+
+__all__ = ["NO_CHILDREN", "Checkpoint", "HashedKey", "Node"]
+
 
 class _NoChildren(dict[Hashable, "Node"]):
     """The empty `children` every leaf shares (type of `NO_CHILDREN`); it refuses writes.
@@ -35,9 +39,10 @@ NO_CHILDREN: dict[Hashable, Node] = _NoChildren()
 class Node:
     """One full KV block of one prefix, or a namespace root (`block == -1`).
 
-    `key` is what the parent's `children` dict is keyed by: the block's token
-    tuple, or `(tokens, extra)` when the block has an extra identity (wrapped
-    by `HashedKey` when a test injects a key hash). `state` is the stored
+    `key` is what the parent's `children` dict is keyed by (`cache.keys`): the
+    block's packed token ids, or `(packed, extra)` when the block has an extra
+    identity (wrapped by `HashedKey` when a test injects a key hash); `tokens`
+    unpacks them. `state` is the stored
     lifecycle state (`spec.lifecycle.NodeState` values; `ROOT` for roots).
     `tick`/`serial` order eviction; `block_hash` is the chained hash that
     events carry. `children` is `NO_CHILDREN` (shared, read-only) while the
@@ -59,7 +64,6 @@ class Node:
         "serial",
         "state",
         "tick",
-        "tokens",
     )
 
     def __init__(
@@ -67,7 +71,6 @@ class Node:
         *,
         parent: Node | None,
         key: Hashable,
-        tokens: tuple[int, ...],
         extra: Hashable,
         block: int,
         namespace: str,
@@ -79,7 +82,6 @@ class Node:
     ) -> None:
         self.parent = parent
         self.key = key
-        self.tokens = tokens
         self.extra = extra
         self.block = block
         self.namespace = namespace
@@ -90,6 +92,11 @@ class Node:
         self.state = state
         self.children: dict[Hashable, Node] = NO_CHILDREN
         self.checkpoint: Checkpoint | None = None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The block's token ids, unpacked from `key` (`()` for a root)."""
+        return key_tokens(self.key)
 
     def attach_child(self, key: Hashable, child: Node) -> None:
         """Make `child` this node's child under `key` (its own dict on the first child)."""
@@ -164,22 +171,3 @@ class Checkpoint:
             f"<Checkpoint #{self.serial} step={self.step} slot={self.slot} "
             f"{self.state} pins={self.pins}>"
         )
-
-
-class HashedKey:
-    """A block key with an injected hash (testing hook `CacheConfig.key_hash`).
-
-    Equality is exact on the wrapped key, so collisions only narrow.
-    """
-
-    __slots__ = ("_hash", "inner")
-
-    def __init__(self, inner: Hashable, hash_value: int) -> None:
-        self.inner = inner
-        self._hash = hash_value
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HashedKey) and self.inner == other.inner
