@@ -402,19 +402,14 @@ class BlockTrie:
         self._kv.incref(block)
         self._node_serial += 1
         chain = self._chain
-        node = Node(
-            parent=parent,
-            key=key,
-            extra=extra,
-            block=block,
-            namespace=parent.namespace,
-            depth=parent.depth + 1,
-            serial=self._node_serial,
-            tick=tick,
-            block_hash=0
+        block_hash = (
+            0
             if chain is None
-            else chain(parent.block_hash, key_tokens(key), extra, parent.namespace),
-            state=_CACHED,
+            else chain(parent.block_hash, key_tokens(key), extra, parent.namespace)
+        )
+        # parent, key, extra, block, serial, tick, block_hash, state
+        node = Node.child_of(
+            parent, key, extra, block, self._node_serial, tick, block_hash, _CACHED
         )
         parent.attach_child(key, node)
         self._evictor.adopt(node)
