@@ -36,6 +36,27 @@ if TYPE_CHECKING:
 
 _EVICTABLE = NodeState.EVICTABLE.value
 
+_SETTLED: dict[tuple[str, bool, int, int], str] = {}
+"""(stored state, leaf, block refs, pins) -> the state `settle` moves an attached node to.
+
+A memo of `_settled`, which is a pure function of these facts (the spec's
+`implied_node_state`, then every step of the spec's route to it): the hot
+path is one dict lookup instead of the derivation and its enum hashing.
+Bounded by the distinct facts seen (states x 2 x reference counts x pins).
+"""
+
+
+def _settled(node: Node, state: str, leaf: bool, refs: int, pins: int) -> str:
+    """Derive (and memoize) where `settle` moves `node`; raises `IllegalTransition`
+    (memoizing nothing) when the spec has no route there."""
+    implied = implied_node_state(attached=True, leaf=leaf, block_refs=refs, pins=pins)
+    dest = state
+    for trigger in NODE.route(state, implied, node):
+        dest = NODE.step(trigger, dest, node)
+    dest = str(NodeState(dest).value)
+    _SETTLED[(state, leaf, refs, pins)] = dest
+    return dest
+
 
 class Evictor:
     """The eviction index and everything that changes a node's lifecycle state."""
@@ -65,21 +86,18 @@ class Evictor:
         if node.block < 0:
             return  # a root: always `root`
         ck = node.checkpoint
-        implied = implied_node_state(
-            attached=True,
-            leaf=not node.children,
-            block_refs=self._kv.refs[node.block],
-            pins=ck.pins if ck is not None else 0,
-        )
         state = node.state
-        if implied == state:
+        pins = ck.pins if ck is not None else 0
+        facts = (state, not node.children, self._kv.refs[node.block], pins)
+        dest = _SETTLED.get(facts)
+        if dest is None:
+            dest = _settled(node, *facts)
+        if dest == state:
             return
-        for trigger in NODE.route(state, implied, node):
-            state = NODE.step(trigger, state, node)
-        if node.state == _EVICTABLE:
-            self.index.remove(node)
-        node.state = state
         if state == _EVICTABLE:
+            self.index.remove(node)
+        node.state = dest
+        if dest == _EVICTABLE:
             self.index.add(node)
 
     def settle_block(self, block: int) -> None:
