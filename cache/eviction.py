@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from cache.checkpoints import CheckpointStore
 
 _EVICTABLE = NodeState.EVICTABLE.value
+_FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
 
 _SETTLED: dict[tuple[str, bool, int, int], str] = {}
 """(stored state, leaf, block refs, pins) -> the state `settle` moves an attached node to.
@@ -129,7 +130,7 @@ class Evictor:
 
     def _free(self, node: Node) -> int:
         """Detach an evictable leaf and release its block and checkpoint."""
-        freed_state = NODE.step(NodeTrigger.FREE, node.state, node)
+        freed_state = NODE.step(_FREE, node.state, node)
         self.index.remove(node)
         freed = 0
         ck = node.checkpoint
