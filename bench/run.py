@@ -1,13 +1,13 @@
 """blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
 
-Five sections (``--sections peers,replay,evict,ckpt,events``):
+Five sections by default (``--sections peers,replay,evict,ckpt,events``), and ``soak`` on
+request:
 
 - **peers**: the issue-13 table (`bench.peers`): blocktrie vs the naive dict
   trie on the Mooncake conversation trace at 20k / 60k / 200k blocks, the
   shared-prefix trace at 100k and a 10^6-block evicting run, each as a ratio
   to the dict trie in the same run; bytes per cached block at ~10^6 blocks;
   the cost of events (xxh3 hashing) on vs off. ``--quick`` shrinks it.
-
 - **replay**: the built-in synthetic workload (the same as ``blocktrie
   replay``; or ``--trace`` a Mooncake / token jsonl) replayed through
   `cache.BlockTrie` and through the plain dict-of-children trie in
@@ -23,6 +23,9 @@ Five sections (``--sections peers,replay,evict,ckpt,events``):
 - **events**: KV events per stored block (hash, build, encode, publish on
   loopback) as a ratio to the cache's own per-block cost in the same run
   (`bench.events`; needs the ``events`` extra, skipped without it).
+- **soak**: `bench.soak.run_soak`: millions of random operations with
+  ``ManualCopies`` completing in random order, ``check()`` every N steps;
+  steps/s, memory at start and end, failures (``--soak-steps``).
 """
 
 from __future__ import annotations
@@ -565,6 +568,27 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench.soak import run_soak
+
+    result = run_soak(args.soak_steps, args.seed, args.soak_check_every, trace_memory=args.memory)
+    out["soak"] = result
+    console.print(
+        f"[bold]soak[/bold]: {result['steps']:,} steps in {result['seconds']} s "
+        f"({result['steps_per_s']:,} steps/s), {result['checks']} checks, "
+        f"{result['failures']} failures, {result['restores_verified']:,} restores verified; "
+        f"RSS {result['rss_kib_start'] // 1024} -> {result['rss_kib_end'] // 1024} MiB"
+        + (
+            f"; traced {result['traced_kib_warm']} KiB after warm-up -> "
+            f"{result['traced_kib_end']} KiB at the end"
+            if "traced_kib_end" in result
+            else ""
+        )
+    )
+    for sample in result["failure_samples"]:
+        console.print(f"  [red]failure[/red] {sample}")
+
+
 def _ints(text: str) -> list[int]:
     return [int(float(x)) for x in text.split(",") if x.strip()]
 
@@ -578,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         default="peers,replay,evict,ckpt,events",
-        help="comma-separated: peers, replay, evict, ckpt, events",
+        help="comma-separated: peers, replay, evict, ckpt, events, soak",
     )
     p.add_argument(
         "--quick",
@@ -629,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=int, default=3, help="replay and ckpt: best of N interleaved runs"
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument("--soak-steps", type=int, default=1_000_000)
+    p.add_argument("--soak-check-every", type=int, default=10_000)
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p
 
@@ -652,6 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "evict": bench_evict,
             "ckpt": bench_ckpt,
             "events": bench_events_section,
+            "soak": bench_soak,
         }[name](args, out)
         console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")
     if args.json:

@@ -6,7 +6,7 @@ from collections import deque
 
 from spec.errors import AllocationFailed
 
-RECENT_POINTS = 1024
+RECENT_POINTS = 256
 """How many of the most recent allocation points `Faults.points` remembers."""
 
 

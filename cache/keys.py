@@ -52,10 +52,15 @@ def block_identity(extra: tuple[Hashable, ...] | None, index: int) -> Hashable:
 
 
 def block_key(packed: bytes, identity: Hashable, key_hash: KeyHash | None) -> Hashable:
-    """The children-dict key of a block with these packed tokens and extra identity."""
+    """The children-dict key of a block with these packed tokens and extra identity.
+
+    The `key_hash` hook sees the block as its token tuple, or `(tokens,
+    identity)`, whatever the packing (a hook may look at the tokens).
+    """
     key: Hashable = packed if identity is None else (packed, identity)
     if key_hash is not None:
-        key = HashedKey(key, key_hash(key))
+        tokens = unpack_tokens(packed)
+        key = HashedKey(key, key_hash(tokens if identity is None else (tokens, identity)))
     return key
 
 

@@ -16,8 +16,9 @@ validates its input ([R1]-[R5]), plans, takes resources, then mutates
 The numbers in brackets cite the rules of the operational semantics
 (docs/semantics.md), which the reference model `spec.model` cites too.
 
-Single-threaded ([R45]): one engine scheduler owns a trie. Calls from several
-threads at once are not supported.
+Single-threaded ([R45]): one engine scheduler owns a trie. A second thread
+that enters an operation while another is running gets `ConcurrentUse`
+before it changes anything (a cheap flag, not a lock: detection, not support).
 
 This module is longer than the ~400 lines the others keep to because each of
 its public operations carries its whole contract (takes, returns, raises,
@@ -222,8 +223,11 @@ class BlockTrie:
         if seq.owner is not self:
             raise SequenceNotLive(f"{seq!r} belongs to another cache")
         if self._live.get(seq.serial) is not seq:
+            if not seq.live:
+                raise SequenceNotLive(f"{seq!r} was already released or aborted")
             raise SequenceNotLive(
-                f"{seq!r} is not live in this cache (released, aborted, or not made by match)"
+                f"{seq!r} is not live in this cache: not the object its match returned "
+                "(a copy, or built by hand)"
             )
         return seq
 

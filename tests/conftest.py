@@ -1,7 +1,9 @@
 """Hypothesis profiles and shared fixtures.
 
-Profiles: `ci` (derandomized, loaded when CI=true), `dev` (the default), and
-`fuzz` (long runs: HYPOTHESIS_PROFILE=fuzz python -m pytest tests).
+Profiles: `ci` (derandomized, loaded when CI=true), `dev` (the default),
+`fuzz` (long runs: HYPOTHESIS_PROFILE=fuzz python -m pytest tests), and
+`mutation` (derandomized and short, for `python -m tools.mutation`, which runs
+the covering tests once per mutant).
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ settings.register_profile(
     stateful_step_count=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "mutation",
+    derandomize=True,
+    max_examples=20,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
 )
 _default = "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))

@@ -193,7 +193,7 @@ def test_counts_take_suffixes_everywhere(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def _check_schema(doc: dict[str, Any]) -> None:
-    assert list(doc) == ["schema", "workload", "runs", "recommended"]
+    assert list(doc) == ["schema", "workload", "runs", "recommended", "fleet"]
     assert doc["schema"] == 1
     assert tuple(doc["workload"]) == WORKLOAD_KEYS
     for row in doc["runs"]:
@@ -219,6 +219,7 @@ def test_json_has_one_schema_whatever_the_options(capsys: pytest.CaptureFixture[
     )  # fmt: skip
     for doc in (one, many):
         _check_schema(doc)
+        assert doc["fleet"] is None  # only with --replicas / --publish (tests/test_fleet_cli.py)
     assert one["runs"][0]["kv_bytes"] is None and one["runs"][0]["kv_hit_rate"] is None
     assert one["workload"]["kv_bytes_per_token"] is None
     ssm = [r for r in many["runs"] if r["policy"] != "kv"]

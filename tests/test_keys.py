@@ -67,3 +67,17 @@ def test_cached_blocks_keep_no_caller_ints() -> None:
     child = next(iter(root.children.values()))
     assert isinstance(child.key, bytes)
     assert child.tokens == (1000, 2000)
+
+
+def test_key_hash_hook_sees_token_tuples() -> None:
+    """`CacheConfig.key_hash` is called with the block as tokens, not with its packing."""
+    seen: list[object] = []
+
+    def hook(key: object) -> int:
+        seen.append(key)
+        return 0
+
+    packed = pack_tokens([7, 2**40])
+    assert block_key(packed, None, hook) == HashedKey(packed, 0)
+    assert block_key(packed, "img", hook) == HashedKey((packed, "img"), 0)
+    assert seen == [(7, 2**40), ((7, 2**40), "img")]

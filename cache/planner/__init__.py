@@ -17,6 +17,9 @@ built. Modules, in reading order:
   processes, or on Ray).
 - `cache.planner.report`: the report document (the ``--json`` schema) and its
   text (`cache.planner.table`) and CSV renderings; `cache.planner.plot`: the PNG.
+- `cache.planner.fleet`: multi-replica replay behind a router (``--replicas``;
+  the prefix router reads only KV-event wire bytes; needs the ``events``
+  extra); `cache.planner.publish`: one event publisher per replica (``--publish``).
 - `cache.planner.cli`: argparse, usage checks and the ``replay`` / ``demo`` commands.
 - `cache.planner.demo`: ``blocktrie demo``.
 """

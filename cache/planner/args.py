@@ -20,7 +20,10 @@ from cache.planner.workload import SyntheticParams
 __all__ = [
     "DEFAULT_BLOCKS_PER_SLOT",
     "DEFAULT_CHUNK",
+    "DEFAULT_PUBLISH_WAIT",
+    "FLEET_FLAGS",
     "MAX_BLOCKS",
+    "MAX_REPLICAS",
     "PROG",
     "SSM_FLAGS",
     "STANDARD_POLICIES",
@@ -70,6 +73,18 @@ SSM_FLAGS = {
 }
 DEFAULT_BLOCKS_PER_SLOT = 8
 DEFAULT_CHUNK = 2048
+MAX_REPLICAS = 1024
+DEFAULT_PUBLISH_WAIT = 1.0
+ROUTER_NAMES = ("round-robin", "least-loaded", "prefix")
+"""`cache.planner.fleet.ROUTERS` (not imported here: the fleet module needs msgspec)."""
+FLEET_FLAGS = {
+    "router": "--router",
+    "prefix_max_load": "--prefix-max-load",
+    "block_hash": "--block-hash",
+    "hash_seed": "--hash-seed",
+    "publish_wait": "--publish-wait",
+}
+"""Flags that need --replicas or --publish (--router needs --replicas itself)."""
 
 
 # --------------------------------------------------------------------------
@@ -128,6 +143,33 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
     if not 0.0 <= value <= 1.0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds in [0, 60], got {text!r}") from None
+    if not 0.0 <= value <= 60.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"expected seconds in [0, 60], got {text!r}")
+    return value
+
+
+def _load_factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not 1.0 <= value <= 1e6:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"expected a number in [1, 1e6], got {text!r}")
+    return value
+
+
+def _hash_seed(text: str) -> int:
+    value = _seed(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
     return value
 
 
@@ -353,6 +395,53 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         metavar="BYTES",
         help="KV bytes per token of your model (all layers, K and V): report capacity in GiB",
+    )
+
+    fl = rp.add_argument_group(
+        "fleet (multi-replica planning and KV events; need the events extra)"
+    )
+    fl.add_argument(
+        "--replicas",
+        type=_bounded(1, MAX_REPLICAS),
+        metavar="N",
+        help="replay across N replicas behind a router, each with --capacity blocks",
+    )
+    fl.add_argument(
+        "--router",
+        choices=ROUTER_NAMES,
+        help="how requests are spread over the replicas (default: prefix); prefix scores "
+        "replicas from their decoded KV-event bytes; each is compared with round-robin",
+    )
+    fl.add_argument(
+        "--prefix-max-load",
+        type=_load_factor,
+        metavar="F",
+        help="prefix router: skip replicas with more than F x the mean in-flight requests "
+        "(default: no bound; ties alone are broken by load)",
+    )
+    fl.add_argument(
+        "--publish",
+        metavar="ENDPOINT",
+        help="stream each replica's KV events (vLLM's ZMQ format) to ENDPOINT, e.g. "
+        "tcp://*:5557; replica i publishes on port + i",
+    )
+    fl.add_argument(
+        "--publish-wait",
+        type=_seconds,
+        metavar="SECONDS",
+        help="with --publish: wait this long for subscribers to connect before the replay, "
+        f"and for the last batches to leave after it (default: {DEFAULT_PUBLISH_WAIT:g})",
+    )
+    fl.add_argument(
+        "--block-hash",
+        choices=("xxh3", "vllm"),
+        help="block hash scheme of the replicas and the router (default: xxh3)",
+    )
+    fl.add_argument(
+        "--hash-seed",
+        type=_hash_seed,
+        metavar="N",
+        help="block hash seed (vLLM's PYTHONHASHSEED for --block-hash vllm; default: 0)",
     )
 
     ex = rp.add_argument_group("execution")

@@ -27,6 +27,8 @@ from typing import Any
 from cache.planner.args import (
     DEFAULT_BLOCKS_PER_SLOT,
     DEFAULT_CHUNK,
+    DEFAULT_PUBLISH_WAIT,
+    FLEET_FLAGS,
     MAX_BLOCKS,
     PROG,
     SSM_FLAGS,
@@ -38,8 +40,15 @@ from cache.planner.execute import ReplaySettings, available_cores, run_all
 from cache.planner.plan import Run, never_evict_capacity, plan_runs, recommend
 from cache.planner.plot import check_plot_path, write_plot
 from cache.planner.policy import DEFAULT_POLICY, KV
+from cache.planner.publish import replica_endpoints
 from cache.planner.replay import ReplayResult
-from cache.planner.report import build_report, render_csv, render_text
+from cache.planner.report import (
+    build_fleet,
+    build_report,
+    render_csv,
+    render_fleet_text,
+    render_text,
+)
 from cache.planner.traces import TraceError, detect_trace_format, load_trace
 from cache.planner.workload import (
     PrefixCount,
@@ -156,6 +165,43 @@ def _check_usage(args: argparse.Namespace) -> None:
             raise UsageError("--plot needs matplotlib: pip install 'blocktrie[cli]'")
     if args.executor == "ray" and importlib.util.find_spec("ray") is None:
         raise UsageError("--executor ray needs ray: pip install 'blocktrie[ray]'")
+    _check_fleet_usage(args)
+
+
+def _check_fleet_usage(args: argparse.Namespace) -> None:
+    """--replicas / --router / --publish and their companions."""
+    fleet = args.replicas is not None or args.publish is not None
+    if args.router is not None and args.replicas is None:
+        raise UsageError("--router needs --replicas")
+    if args.prefix_max_load is not None and (args.router or "prefix") != "prefix":
+        raise UsageError("--prefix-max-load applies to the prefix router only")
+    if args.publish_wait is not None and args.publish is None:
+        raise UsageError("--publish-wait needs --publish")
+    if not fleet:
+        given = [flag for dest, flag in FLEET_FLAGS.items() if getattr(args, dest) is not None]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise UsageError(f"{', '.join(given)} {verb} --replicas or --publish")
+        return
+    what = "--replicas" if args.replicas is not None else "--publish"
+    if args.ssm:
+        raise UsageError(f"{what} replays attention-only: --ssm is not supported with it")
+    if args.sweep is not None:
+        raise UsageError(f"{what} replays one capacity per replica: give --capacity, not --sweep")
+    if args.csv:
+        raise UsageError(f"--csv has no fleet columns: use --json with {what}")
+    if args.publish is not None:
+        try:
+            replica_endpoints(args.publish, args.replicas or 1)
+        except ValueError as exc:
+            raise UsageError(f"--publish: {exc}") from None
+    needs = ["msgspec", "xxhash"] + (["zmq"] if args.publish is not None else [])
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"{what} needs {', '.join('pyzmq' if m == 'zmq' else m for m in missing)}: "
+            "pip install 'blocktrie[events]'"
+        )
 
 
 def _capacities(args: argparse.Namespace, never_evict: int) -> list[int]:
@@ -270,6 +316,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         kv = run.capacity * args.block_size * per_token
         return float(kv + (run.slots * state_bytes if state_bytes and run.policy != KV else 0))
 
+    fleet = None
+    if args.replicas is not None or args.publish is not None:
+        progress = _Progress(show and not args.json)
+        try:
+            fleet = _run_fleet(workload, capacities[0], args, progress)
+        finally:
+            progress.close()
     recommendation = recommend(list(zip(runs, results, strict=True)), count.hit_rate, cost)
     doc = build_report(
         workload,
@@ -279,6 +332,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         runs,
         results,
         recommendation,
+        fleet=fleet,
         block_size=args.block_size,
         concurrency=args.concurrency,
         max_decode_tokens=args.max_decode_tokens,
@@ -292,6 +346,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     else:
         width = shutil.get_terminal_size((200, 24)).columns
         sys.stdout.write(render_text(doc, width) + "\n")
+        if fleet is not None:
+            sys.stdout.write("\n" + render_fleet_text(fleet, width) + "\n")
     sys.stdout.flush()
     if args.plot is not None:
         try:
@@ -342,6 +398,63 @@ def _run(
         update(finished_runs[0])
 
     return run_all(workload, runs, settings, jobs=jobs, executor=executor, on_done=one_done)
+
+
+def _run_fleet(
+    workload: Workload[Any], capacity: int, args: argparse.Namespace, progress: _Progress
+) -> dict[str, Any]:
+    """The ``fleet`` document: the chosen router's replay (streamed with --publish), and
+    a round-robin replay to compare with when the router is another one."""
+    from cache.planner.fleet import make_router, replay_fleet
+    from cache.planner.publish import Publishers
+
+    n = args.replicas or 1
+    name = args.router or ("prefix" if args.replicas is not None else "round-robin")
+    scheme = args.block_hash or "xxh3"
+    seed = args.hash_seed or 0
+
+    def one(router_name: str, publishers: Publishers | None) -> Any:
+        router = make_router(
+            router_name,
+            n,
+            block_size=args.block_size,
+            scheme=scheme,
+            seed=seed,
+            max_load=args.prefix_max_load if router_name == "prefix" else None,
+        )
+        update = progress.phase(f"replaying {n} x {router_name}", len(workload), "req")
+        return replay_fleet(
+            workload,
+            router,
+            block_size=args.block_size,
+            capacity=capacity,
+            concurrency=args.concurrency,
+            max_decode_tokens=args.max_decode_tokens,
+            scheme=scheme,
+            seed=seed,
+            on_events=None if publishers is None else publishers.publish,
+            progress=update,
+        )
+
+    publish = None
+    if args.publish is not None:
+        import zmq
+
+        wait = DEFAULT_PUBLISH_WAIT if args.publish_wait is None else args.publish_wait
+        try:
+            with Publishers(replica_endpoints(args.publish, n), wait) as publishers:
+                if not args.json:
+                    for i, endpoint in enumerate(publishers.bound):
+                        note = f"{PROG} replay: replica {i} publishes on {endpoint}"
+                        print(note, file=sys.stderr)
+                result = one(name, publishers)
+        except zmq.ZMQError as exc:
+            raise _RunError(f"--publish {args.publish}: {exc}") from None
+        publish = publishers.stats()
+    else:
+        result = one(name, None)
+    baseline = result if name == "round-robin" else one("round-robin", None)
+    return build_fleet(result, baseline, block_hash=scheme, hash_seed=seed, publish=publish)
 
 
 class _RunError(Exception):

@@ -33,13 +33,18 @@ from cache.planner.table import Column, render_table
 from cache.planner.workload import PrefixCount, Workload
 
 __all__ = [
+    "FLEET_KEYS",
+    "FLEET_RESULT_KEYS",
+    "REPLICA_KEYS",
     "RUN_KEYS",
     "SCHEMA",
     "WORKLOAD_KEYS",
+    "build_fleet",
     "build_report",
     "fmt_bytes",
     "fmt_count",
     "render_csv",
+    "render_fleet_text",
     "render_text",
 ]
 
@@ -94,6 +99,39 @@ RUN_KEYS = (
     "tokens_per_s",
     "us_per_block",
 )
+FLEET_KEYS = (
+    "replicas",
+    "capacity",
+    "router",
+    "block_hash",
+    "hash_seed",
+    "result",
+    "round_robin",
+    "gain_vs_round_robin",
+    "publish",
+)
+FLEET_RESULT_KEYS = (
+    "router",
+    "requests",
+    "rejected",
+    "prompt_tokens",
+    "hit_tokens",
+    "hit_rate",
+    "load_balance",
+    "evicted_blocks",
+    "wall_s",
+    "per_replica",
+)
+REPLICA_KEYS = (
+    "replica",
+    "requests",
+    "rejected",
+    "prompt_tokens",
+    "hit_tokens",
+    "hit_rate",
+    "evicted_blocks",
+    "peak_cached_blocks",
+)
 PICK_KEYS = ("run", "capacity", "policy", "state_slots", "kv_bytes", "state_bytes", "hit_rate")
 TIMING_KEYS = ("wall_s", "requests_per_s", "tokens_per_s", "us_per_block")
 """Run keys that measure this machine (they differ between two identical replays)."""
@@ -129,6 +167,7 @@ def build_report(
     results: Sequence[ReplayResult],
     recommendation: Recommendation,
     *,
+    fleet: dict[str, Any] | None = None,
     block_size: int,
     concurrency: int,
     max_decode_tokens: int | None,
@@ -136,7 +175,8 @@ def build_report(
     state_bytes_per_slot: int | None,
 ) -> dict[str, Any]:
     """The report document (schema `SCHEMA`): ``{"schema", "workload", "runs",
-    "recommended"}``, every key always present."""
+    "recommended", "fleet"}``, every key always present (``fleet`` is `build_fleet`'s
+    document with ``--replicas`` / ``--publish``, else None)."""
     per_block = None if kv_bytes_per_token is None else kv_bytes_per_token * block_size
     kv_at = {run.capacity: r for run, r in zip(runs, results, strict=True) if run.policy == KV}
     out_runs: list[dict[str, Any]] = []
@@ -213,7 +253,116 @@ def build_report(
             "within_1_point": pick(recommendation.within_1_point),
             "within_99_percent": pick(recommendation.within_99_percent),
         },
+        "fleet": fleet,
     }
+
+
+def _fleet_result(result: Any) -> dict[str, Any]:
+    """A `cache.planner.fleet.FleetResult` as ``FLEET_RESULT_KEYS``."""
+    return {
+        "router": result.router,
+        "requests": result.requests,
+        "rejected": sum(r.rejected for r in result.replicas),
+        "prompt_tokens": result.prompt_tokens,
+        "hit_tokens": result.hit_tokens,
+        "hit_rate": result.hit_rate,
+        "load_balance": result.load_balance,
+        "evicted_blocks": sum(r.evicted_blocks for r in result.replicas),
+        "wall_s": result.wall_s,
+        "per_replica": [
+            {
+                "replica": i,
+                "requests": r.requests,
+                "rejected": r.rejected,
+                "prompt_tokens": r.prompt_tokens,
+                "hit_tokens": r.hit_tokens,
+                "hit_rate": r.hit_rate,
+                "evicted_blocks": r.evicted_blocks,
+                "peak_cached_blocks": r.peak_cached_blocks,
+            }
+            for i, r in enumerate(result.replicas)
+        ],
+    }
+
+
+def build_fleet(
+    result: Any,
+    round_robin: Any,
+    *,
+    block_hash: str,
+    hash_seed: int,
+    publish: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The ``fleet`` document: the chosen router's `FleetResult` (`result`), the
+    round-robin baseline (`round_robin`; the same result when the router is
+    round-robin), the gain in hit rate over it, and the publishers' counters."""
+    res = _fleet_result(result)
+    rr = res if round_robin is result else _fleet_result(round_robin)
+    return {
+        "replicas": len(result.replicas),
+        "capacity": result.capacity,
+        "router": result.router,
+        "block_hash": block_hash,
+        "hash_seed": hash_seed,
+        "result": res,
+        "round_robin": rr,
+        "gain_vs_round_robin": res["hit_rate"] - rr["hit_rate"],
+        "publish": publish,
+    }
+
+
+def render_fleet_text(fleet: dict[str, Any], width: int) -> str:
+    """The fleet section of the text report: the router against round-robin (hit rate,
+    load balance), then one row per replica of the chosen router's replay."""
+    res, rr = fleet["result"], fleet["round_robin"]
+    n = fleet["replicas"]
+    how = (
+        " (scores replicas from their decoded vLLM KV-event bytes)"
+        if fleet["router"] == "prefix"
+        else ""
+    )
+    lines = [
+        f"fleet: {n:,} replica{'s' if n != 1 else ''} x {fleet['capacity']:,} blocks, "
+        f"{fleet['router']} router{how}"
+    ]
+    lines = [wrapped for line in lines for wrapped in _wrap(line, width)]
+    results = [res] if rr is res or fleet["router"] == "round-robin" else [res, rr]
+    cols = [
+        Column("router", [r["router"] for r in results], "<"),
+        Column("hit rate", [_pct(r["hit_rate"]) for r in results]),
+        Column("tok saved", [fmt_count(r["hit_tokens"]) for r in results]),
+        Column("max/mean req", [f"{r['load_balance']:.2f}" for r in results]),
+        Column("evicted", [fmt_count(r["evicted_blocks"]) for r in results]),
+        Column("rejected", [f"{r['rejected']:,}" for r in results]),
+    ]
+    lines += render_table(cols, width, 1)
+    if len(results) == 2:
+        lines.append(
+            f"{fleet['router']} gains {fleet['gain_vs_round_robin'] * 100:+.2f} points of hit "
+            "rate over round-robin"
+        )
+    per = res["per_replica"]
+    cols = [
+        Column("replica", [str(p["replica"]) for p in per]),
+        Column("requests", [f"{p['requests']:,}" for p in per]),
+        Column("hit rate", [_pct(p["hit_rate"]) for p in per]),
+        Column("evicted", [fmt_count(p["evicted_blocks"]) for p in per]),
+        Column("rejected", [f"{p['rejected']:,}" for p in per]),
+    ]
+    lines += ["", *render_table(cols, width, 1)]
+    if fleet["publish"] is not None:
+        for p in fleet["publish"]:
+            dropped = f", {p['dropped_batches']:,} dropped" if p["dropped_batches"] else ""
+            lines.append(
+                f"replica {p['replica']} published {p['published_batches']:,} event batches on "
+                f"{p['endpoint']}{dropped}"
+            )
+    lines.append(
+        "max/mean req = requests on the busiest replica / the mean (1.00 is even); the "
+        "fleet holds --concurrency live requests per replica, released oldest first."
+    )
+    tail = len(lines) - 1
+    return "\n".join(lines[:tail] + _wrap(lines[tail], width))
 
 
 def render_csv(doc: dict[str, Any]) -> str:

@@ -1,0 +1,1 @@
+"""Developer tools (not shipped): the mutation-testing gate."""
