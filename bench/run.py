@@ -1,7 +1,13 @@
 """blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
 
-Four sections by default (``--sections replay,evict,ckpt,events``), and ``soak`` on request:
+Five sections by default (``--sections peers,replay,evict,ckpt,events``), and ``soak`` on
+request:
 
+- **peers**: the issue-13 table (`bench.peers`): blocktrie vs the naive dict
+  trie on the Mooncake conversation trace at 20k / 60k / 200k blocks, the
+  shared-prefix trace at 100k and a 10^6-block evicting run, each as a ratio
+  to the dict trie in the same run; bytes per cached block at ~10^6 blocks;
+  the cost of events (xxh3 hashing) on vs off. ``--quick`` shrinks it.
 - **replay**: the built-in synthetic workload (the same as ``blocktrie
   replay``; or ``--trace`` a Mooncake / token jsonl) replayed through
   `cache.BlockTrie` and through the plain dict-of-children trie in
@@ -63,6 +69,7 @@ class OpTimes:
     ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     other_ns: int = 0
+    calls: int = 0  # timed intervals (each carries about one clock read of overhead)
 
     def per_block(self, op: str) -> float:
         return self.ns[op] / self.blocks[op] if self.blocks[op] else 0.0
@@ -79,10 +86,13 @@ class TimedCache:
     `evict` (timed as evict), so allocate's own time excludes eviction.
     """
 
-    def __init__(self, cache: Any, block_size: int) -> None:
+    def __init__(
+        self, cache: Any, block_size: int, clock: Callable[[], int] = time.perf_counter_ns
+    ) -> None:
         self.cache = cache
         self.b = block_size
         self.t = OpTimes()
+        self.clock = clock
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,9 +117,10 @@ class TimedCache:
         return self.cache.restore(seq, runtime_state)
 
     def match(self, tokens: list[int], namespace: str = "") -> Any:
-        t0 = perf_ns()
+        t0 = self.clock()
         seq = self.cache.match(tokens, namespace)
-        self.t.ns["match"] += perf_ns() - t0
+        self.t.ns["match"] += self.clock() - t0
+        self.t.calls += 1
         self.t.blocks["match"] += len(tokens) // self.b
         return seq
 
@@ -119,37 +130,42 @@ class TimedCache:
             return
         short = need - self.cache.num_free_blocks
         if short > 0:
-            t0 = perf_ns()
+            t0 = self.clock()
             freed = self.cache.evict(short)
-            self.t.ns["evict"] += perf_ns() - t0
+            self.t.ns["evict"] += self.clock() - t0
+            self.t.calls += 1
             self.t.blocks["evict"] += freed
-        t0 = perf_ns()
+        t0 = self.clock()
         try:
             self.cache.allocate(seq, num_tokens)
         finally:
-            self.t.ns["allocate"] += perf_ns() - t0
+            self.t.ns["allocate"] += self.clock() - t0
+            self.t.calls += 1
         self.t.blocks["allocate"] += need
 
     def commit(self, seq: Any, num_tokens: int) -> None:
         before = seq.num_committed_tokens // self.b
-        t0 = perf_ns()
+        t0 = self.clock()
         self.cache.commit(seq, num_tokens)
-        self.t.ns["commit"] += perf_ns() - t0
+        self.t.ns["commit"] += self.clock() - t0
+        self.t.calls += 1
         self.t.blocks["commit"] += num_tokens // self.b - before
 
     def release(self, seq: Any) -> None:
         n = len(seq.block_ids)
-        t0 = perf_ns()
+        t0 = self.clock()
         self.cache.release(seq)
-        self.t.ns["release"] += perf_ns() - t0
+        self.t.ns["release"] += self.clock() - t0
+        self.t.calls += 1
         self.t.blocks["release"] += n
 
     def _other(self, fn: Callable[..., Any], *args: Any) -> Any:
-        t0 = perf_ns()
+        t0 = self.clock()
         try:
             return fn(*args)
         finally:
-            self.t.other_ns += perf_ns() - t0
+            self.t.other_ns += self.clock() - t0
+            self.t.calls += 1
 
     def append(self, seq: Any, tokens: list[int]) -> None:
         self._other(self.cache.append, seq, tokens)
@@ -528,6 +544,14 @@ def bench_ckpt(args: argparse.Namespace, out: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------
 
 
+def bench_peers_section(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench.peers import bench_peers
+
+    if args.quick:
+        args.repeats = 1
+    bench_peers(args, out, console.print)
+
+
 def bench_events_section(args: argparse.Namespace, out: dict[str, Any]) -> None:
     from bench.events import bench_events, print_events
 
@@ -577,8 +601,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sections",
-        default="replay,evict,ckpt,events",
-        help="comma-separated: replay, evict, ckpt, events, soak",
+        default="peers,replay,evict,ckpt,events",
+        help="comma-separated: peers, replay, evict, ckpt, events, soak",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="peers: best of 1, a 2x10^5-block evicting row and 2^18-block memory runs",
+    )
+    p.add_argument(
+        "--traces-dir",
+        default="/work/shared/traces",
+        help="peers: folder of the Mooncake traces (rows whose file is missing are skipped)",
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
     p.add_argument(
@@ -639,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in sections:
         t0 = time.perf_counter()
         {
+            "peers": bench_peers_section,
             "replay": bench_replay,
             "evict": bench_evict,
             "ckpt": bench_ckpt,

@@ -35,6 +35,28 @@ if TYPE_CHECKING:
     from cache.checkpoints import CheckpointStore
 
 _EVICTABLE = NodeState.EVICTABLE.value
+_FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
+
+_SETTLED: dict[tuple[str, bool, int, int], str] = {}
+"""(stored state, leaf, block refs, pins) -> the state `settle` moves an attached node to.
+
+A memo of `_settled`, which is a pure function of these facts (the spec's
+`implied_node_state`, then every step of the spec's route to it): the hot
+path is one dict lookup instead of the derivation and its enum hashing.
+Bounded by the distinct facts seen (states x 2 x reference counts x pins).
+"""
+
+
+def _settled(node: Node, state: str, leaf: bool, refs: int, pins: int) -> str:
+    """Derive (and memoize) where `settle` moves `node`; raises `IllegalTransition`
+    (memoizing nothing) when the spec has no route there."""
+    implied = implied_node_state(attached=True, leaf=leaf, block_refs=refs, pins=pins)
+    dest = state
+    for trigger in NODE.route(state, implied, node):
+        dest = NODE.step(trigger, dest, node)
+    dest = str(NodeState(dest).value)
+    _SETTLED[(state, leaf, refs, pins)] = dest
+    return dest
 
 
 class Evictor:
@@ -65,21 +87,18 @@ class Evictor:
         if node.block < 0:
             return  # a root: always `root`
         ck = node.checkpoint
-        implied = implied_node_state(
-            attached=True,
-            leaf=not node.children,
-            block_refs=self._kv.refs[node.block],
-            pins=ck.pins if ck is not None else 0,
-        )
         state = node.state
-        if implied == state:
+        pins = ck.pins if ck is not None else 0
+        facts = (state, not node.children, self._kv.refs[node.block], pins)
+        dest = _SETTLED.get(facts)
+        if dest is None:
+            dest = _settled(node, *facts)
+        if dest == state:
             return
-        for trigger in NODE.route(state, implied, node):
-            state = NODE.step(trigger, state, node)
-        if node.state == _EVICTABLE:
-            self.index.remove(node)
-        node.state = state
         if state == _EVICTABLE:
+            self.index.remove(node)
+        node.state = dest
+        if dest == _EVICTABLE:
             self.index.add(node)
 
     def settle_block(self, block: int) -> None:
@@ -111,7 +130,7 @@ class Evictor:
 
     def _free(self, node: Node) -> int:
         """Detach an evictable leaf and release its block and checkpoint."""
-        freed_state = NODE.step(NodeTrigger.FREE, node.state, node)
+        freed_state = NODE.step(_FREE, node.state, node)
         self.index.remove(node)
         freed = 0
         ck = node.checkpoint
@@ -121,7 +140,7 @@ class Evictor:
         parent = node.parent
         if parent is None:
             raise InvariantViolation("topology", f"evictable {node!r} has no parent")
-        del parent.children[node.key]
+        parent.detach_child(node.key)
         node.state = freed_state
         node.parent = None
         self.owner[node.block] = None

@@ -2,10 +2,18 @@
 
 A block's *identity* is its token ids plus its extra identity (multimodal
 hash, ...) ([R5]). Its *key* is what a parent's `children` dict is keyed by:
-the token tuple alone when the block has no extra identity, else
-`(tokens, extra)`; wrapped in `HashedKey` when a test injects a hash
-(`CacheConfig.key_hash`). Python's dict hash narrows and `==` decides, so a
-hash collision can never produce a wrong hit.
+the block's token ids packed as bytes (`pack_tokens`) when the block has no
+extra identity, else `(packed tokens, extra)`; wrapped in `HashedKey` when a
+test injects a hash (`CacheConfig.key_hash`). Python's dict hash narrows and
+`==` decides, so a hash collision can never produce a wrong hit.
+
+Packing stores the token ids exactly (identity is never decided by a hash):
+native uint32 per token when every token of the block fits, else uint64 per
+token followed by one marker byte. The encoding depends on the block's tokens
+only, so equal blocks always have equal keys, and the two encodings never
+collide (their lengths differ: 4 per token vs 8 per token plus 1). A packed
+block of 16 tokens is one 97-byte object that keeps no `int` alive, where a
+tuple is 168 bytes plus the 16 ints it holds (~32 bytes each unless shared).
 
 The reference model (`spec.model`) builds its own keys on purpose: the
 differential test is only worth something if the two sides share no code.
@@ -13,10 +21,29 @@ differential test is only worth something if the two sides share no code.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from array import array
+from collections.abc import Hashable, Sequence
 
 from cache.config import KeyHash
-from cache.node import HashedKey
+
+_U32 = next(code for code in "ILH" if array(code).itemsize == 4)
+_U64 = next(code for code in "QL" if array(code).itemsize == 8)
+_WIDE = b"\x08"  # suffix of a uint64-packed block
+_U32_LIMIT = 1 << 32
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """One block's token ids (each in [0, 2**64)) as its key bytes (see the module doc)."""
+    if not tokens or max(tokens) < _U32_LIMIT:
+        return array(_U32, tokens).tobytes()
+    return array(_U64, tokens).tobytes() + _WIDE
+
+
+def unpack_tokens(packed: bytes) -> tuple[int, ...]:
+    """The token ids that `pack_tokens` packed."""
+    if len(packed) % 4:
+        return tuple(array(_U64, packed[:-1]))
+    return tuple(array(_U32, packed))
 
 
 def block_identity(extra: tuple[Hashable, ...] | None, index: int) -> Hashable:
@@ -24,22 +51,30 @@ def block_identity(extra: tuple[Hashable, ...] | None, index: int) -> Hashable:
     return extra[index] if extra is not None and index < len(extra) else None
 
 
-def block_key(tokens: tuple[int, ...], identity: Hashable, key_hash: KeyHash | None) -> Hashable:
-    """The children-dict key of a block with these tokens and extra identity."""
-    key: Hashable = tokens if identity is None else (tokens, identity)
+def block_key(packed: bytes, identity: Hashable, key_hash: KeyHash | None) -> Hashable:
+    """The children-dict key of a block with these packed tokens and extra identity.
+
+    The `key_hash` hook sees the block as its token tuple, or `(tokens,
+    identity)`, whatever the packing (a hook may look at the tokens).
+    """
+    key: Hashable = packed if identity is None else (packed, identity)
     if key_hash is not None:
-        key = HashedKey(key, key_hash(key))
+        tokens = unpack_tokens(packed)
+        key = HashedKey(key, key_hash(tokens if identity is None else (tokens, identity)))
     return key
 
 
 def key_tokens(key: Hashable) -> tuple[int, ...]:
-    """The token tuple inside a key built by `block_key`."""
+    """The token ids inside a key built by `block_key` (`()` for a root's `None`)."""
+    if key is None:
+        return ()
     if isinstance(key, HashedKey):
         key = key.inner
-    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple):
-        # (tokens, identity); a plain token tuple never has a tuple element.
-        return key[0]
-    return key  # type: ignore[return-value]
+    if isinstance(key, tuple):  # (packed tokens, identity)
+        key = key[0]
+    if not isinstance(key, bytes):
+        raise TypeError(f"not a block key: {key!r}")
+    return unpack_tokens(key)
 
 
 def request_keys(
@@ -53,9 +88,35 @@ def request_keys(
     """Keys of blocks `start .. stop-1` of a request, built once and carried
     from `match` to `commit` (the keys are also what attached nodes keep)."""
     size = block_size
+    count = stop - start
+    if count <= 0:
+        return []
+    span = tokens[start * size : stop * size]
+    if max(span) < _U32_LIMIT:  # one C pass packs every block (the usual case)
+        buf = array(_U32, span).tobytes()
+        width = 4 * size
+        packed = [buf[j * width : (j + 1) * width] for j in range(count)]
+    else:
+        packed = [pack_tokens(span[j * size : (j + 1) * size]) for j in range(count)]
     if extra is None and key_hash is None:
-        return [tuple(tokens[i * size : (i + 1) * size]) for i in range(start, stop)]
-    return [
-        block_key(tuple(tokens[i * size : (i + 1) * size]), block_identity(extra, i), key_hash)
-        for i in range(start, stop)
-    ]
+        return packed  # type: ignore[return-value]
+    return [block_key(p, block_identity(extra, start + j), key_hash) for j, p in enumerate(packed)]
+
+
+class HashedKey:
+    """A block key with an injected hash (testing hook `CacheConfig.key_hash`).
+
+    Equality is exact on the wrapped key, so collisions only narrow.
+    """
+
+    __slots__ = ("_hash", "inner")
+
+    def __init__(self, inner: Hashable, hash_value: int) -> None:
+        self.inner = inner
+        self._hash = hash_value
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HashedKey) and self.inner == other.inner

@@ -238,7 +238,6 @@ class BlockTrie:
             root = Node(
                 parent=None,
                 key=None,
-                tokens=(),
                 extra=None,
                 block=-1,  # roots own no block; `block < 0` marks a root everywhere
                 namespace=namespace,
@@ -395,47 +394,28 @@ class BlockTrie:
                 self._evictor.settle(child)
                 child.tick = tick  # [R8]
             else:  # [R19]
-                if plain:
-                    child = self._attach(parent, key, key, None, seq.blocks[i], tick)  # type: ignore[arg-type]
-                else:
-                    identity = block_identity(seq.extra, i)
-                    child = self._attach(
-                        parent, key, key_tokens(key), identity, seq.blocks[i], tick
-                    )
+                identity = None if plain else block_identity(seq.extra, i)
+                child = self._attach(parent, key, identity, seq.blocks[i], tick)
                 stored.append(child)
             path.append(child)
             parent = child
         self._events.stored(stored, size)
         seq.num_committed_tokens = n
 
-    def _attach(
-        self,
-        parent: Node,
-        key: Hashable,
-        tokens: tuple[int, ...],
-        extra: Hashable,
-        block: int,
-        tick: int,
-    ) -> Node:
+    def _attach(self, parent: Node, key: Hashable, extra: Hashable, block: int, tick: int) -> Node:
         self._kv.incref(block)
         self._node_serial += 1
         chain = self._chain
-        node = Node(
-            parent=parent,
-            key=key,
-            tokens=tokens,
-            extra=extra,
-            block=block,
-            namespace=parent.namespace,
-            depth=parent.depth + 1,
-            serial=self._node_serial,
-            tick=tick,
-            block_hash=0
+        block_hash = (
+            0
             if chain is None
-            else chain(parent.block_hash, tokens, extra, parent.namespace),
-            state=_CACHED,
+            else chain(parent.block_hash, key_tokens(key), extra, parent.namespace)
         )
-        parent.children[key] = node
+        # parent, key, extra, block, serial, tick, block_hash, state
+        node = Node.child_of(
+            parent, key, extra, block, self._node_serial, tick, block_hash, _CACHED
+        )
+        parent.attach_child(key, node)
         self._evictor.adopt(node)
         # No state changes: the parent is a root or on the committing sequence's
         # path (held, so `cached` or `pinned` with or without children), and the

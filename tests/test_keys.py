@@ -1,0 +1,83 @@
+"""Packed block keys (`cache.keys`): exact, injective, and consistent across requests.
+
+The differential test draws tokens from {0, 1}; these tests cover the whole
+token range, where a block is packed as uint32 or (when a token needs it)
+uint64, and check that the encoding never decides identity wrongly.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache.keys import HashedKey, block_key, key_tokens, pack_tokens, request_keys, unpack_tokens
+from tests.helpers import kv_trie, serve
+
+EDGES = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+TOKEN = st.one_of(st.sampled_from(EDGES), st.integers(0, 2**64 - 1), st.integers(0, 2**17))
+BLOCK = st.lists(TOKEN, min_size=1, max_size=6)
+
+
+@given(BLOCK)
+def test_pack_round_trips(tokens: list[int]) -> None:
+    packed = pack_tokens(tokens)
+    assert isinstance(packed, bytes)
+    assert unpack_tokens(packed) == tuple(tokens)
+    assert key_tokens(packed) == tuple(tokens)
+    assert key_tokens((packed, "img")) == tuple(tokens)
+    assert key_tokens(HashedKey(packed, 0)) == tuple(tokens)
+    assert key_tokens(HashedKey((packed, None), 0)) == tuple(tokens)
+
+
+@given(BLOCK, BLOCK)
+def test_pack_is_injective(a: list[int], b: list[int]) -> None:
+    assert (pack_tokens(a) == pack_tokens(b)) == (a == b)
+
+
+@given(st.lists(TOKEN, min_size=0, max_size=20), st.integers(1, 4))
+def test_request_keys_pack_each_block_alone(tokens: list[int], size: int) -> None:
+    """A request's keys equal its blocks packed one by one, whatever its other blocks hold
+    (a wide token elsewhere must not change how a narrow block is packed)."""
+    n = len(tokens) // size
+    keys = request_keys(tokens, None, size, None, 0, n)
+    assert keys == [pack_tokens(tokens[i * size : (i + 1) * size]) for i in range(n)]
+    assert request_keys(tokens, None, size, None, 1, n) == keys[1:]
+    extra = tuple(["img"] * n)
+    keyed = request_keys(tokens, extra, size, None, 0, n)
+    assert keyed == [block_key(k, "img", None) for k in keys]
+
+
+def test_narrow_block_is_shared_with_a_request_holding_wide_tokens() -> None:
+    trie = kv_trie(num_blocks=16, block_size=2)
+    assert serve(trie, [5, 6, 7, 8, 1]) == 0
+    # Same first two blocks, then a block with a token >= 2**32: the prefix still hits.
+    assert serve(trie, [5, 6, 7, 8, 2**40, 3, 1]) == 4
+    assert serve(trie, [5, 6, 7, 8, 2**40, 3, 9]) == 6
+    assert serve(trie, [5, 6, 7, 8, 2**40, 4, 9]) == 4
+    trie.check()
+    tokens = {n["key"][0] for n in trie.snapshot()["nodes"].values() if n["key"] is not None}
+    assert tokens == {(5, 6), (7, 8), (2**40, 3), (2**40, 4)}
+
+
+def test_cached_blocks_keep_no_caller_ints() -> None:
+    """Nodes keep packed bytes, not the caller's int objects."""
+    trie = kv_trie(num_blocks=8, block_size=2)
+    serve(trie, [1000, 2000, 3000, 4000, 1])
+    root = trie._roots[""]
+    child = next(iter(root.children.values()))
+    assert isinstance(child.key, bytes)
+    assert child.tokens == (1000, 2000)
+
+
+def test_key_hash_hook_sees_token_tuples() -> None:
+    """`CacheConfig.key_hash` is called with the block as tokens, not with its packing."""
+    seen: list[object] = []
+
+    def hook(key: object) -> int:
+        seen.append(key)
+        return 0
+
+    packed = pack_tokens([7, 2**40])
+    assert block_key(packed, None, hook) == HashedKey(packed, 0)
+    assert block_key(packed, "img", hook) == HashedKey((packed, "img"), 0)
+    assert seen == [(7, 2**40), ((7, 2**40), "img")]
