@@ -411,9 +411,15 @@ class BlockTrie:
             if chain is None
             else chain(parent.block_hash, key_tokens(key), extra, parent.namespace)
         )
-        # parent, key, extra, block, serial, tick, block_hash, state
         node = Node.child_of(
-            parent, key, extra, block, self._node_serial, tick, block_hash, _CACHED
+            parent,
+            key=key,
+            extra=extra,
+            block=block,
+            serial=self._node_serial,
+            tick=tick,
+            block_hash=block_hash,
+            state=_CACHED,
         )
         parent.attach_child(key, node)
         self._evictor.adopt(node)
