@@ -92,12 +92,13 @@ def request_keys(
     if count <= 0:
         return []
     span = tokens[start * size : stop * size]
-    if max(span) < _U32_LIMIT:  # one C pass packs every block (the usual case)
+    try:  # one C pass packs every block (the usual case: every id fits in 32 bits)
         buf = array(_U32, span).tobytes()
+    except OverflowError:
+        packed = [pack_tokens(span[j * size : (j + 1) * size]) for j in range(count)]
+    else:
         width = 4 * size
         packed = [buf[j * width : (j + 1) * width] for j in range(count)]
-    else:
-        packed = [pack_tokens(span[j * size : (j + 1) * size]) for j in range(count)]
     if extra is None and key_hash is None:
         return packed  # type: ignore[return-value]
     return [block_key(p, block_identity(extra, start + j), key_hash) for j, p in enumerate(packed)]

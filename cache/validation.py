@@ -14,9 +14,6 @@ TokenIds: TypeAlias = collections.abc.Sequence[int]
 """Token ids as the API takes them: a list or tuple of integers."""
 
 
-_PLAIN_INT = frozenset({int})
-
-
 def int_arg(name: str, value: object) -> int:
     """`value` if it is an int (bool is not); else `InvalidType` naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -38,12 +35,9 @@ def token_list(tokens: object, what: str = "tokens") -> list[int]:
     if not isinstance(tokens, (list, tuple)):
         raise InvalidType(f"{what} must be a list or tuple of ints, got {type(tokens).__name__}")
     try:
-        converted = array("Q", tokens)
+        return array("Q", tokens).tolist()
     except (TypeError, OverflowError, ValueError, RuntimeError):
         _explain_bad_tokens(tokens, what)
-    if set(map(type, tokens)) <= _PLAIN_INT:
-        return list(tokens)  # reuse the caller's int objects: no new int per token
-    return converted.tolist()
 
 
 def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoReturn:
