@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Hashable, Sequence
 from typing import Literal, Protocol
 
@@ -121,14 +123,8 @@ def _encode_into(value: object, out: bytearray) -> None:
         )
 
 
-_token_structs: dict[int, struct.Struct] = {}
-
-
-def _block_struct(n: int) -> struct.Struct:
-    s = _token_structs.get(n)
-    if s is None:
-        s = _token_structs[n] = struct.Struct(f"<QI{n}Q")
-    return s
+_HEAD = struct.Struct("<QI")
+_U64 = next(code for code in "QL" if array(code).itemsize == 8)
 
 
 # ------------------------------------------------------------ CBOR (vllm)
@@ -266,19 +262,24 @@ class BlockHasher:
                     "block_hash='xxh3' needs the xxhash package: pip install 'blocktrie[events]'"
                 ) from exc
             digest = xxhash.xxh3_64_intdigest
-            structs = _token_structs
+            head = _HEAD.pack
+            swap = sys.byteorder != "little"
 
             def xxh3_chain(
                 parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
             ) -> int:
-                n = len(tokens)
-                packer = structs.get(n) or _block_struct(n)
+                # The documented layout, built in two C calls: the header, then the
+                # token ids as one little-endian u64 array.
                 try:
-                    data = packer.pack(parent, n, *tokens)
-                except struct.error as exc:
+                    ids = array(_U64, tokens)
+                    data = head(parent, len(tokens))
+                except (struct.error, OverflowError, TypeError) as exc:
                     raise ValueError(
                         f"parent hash must be a u64 and token ids in [0, 2**64): {exc}"
                     ) from None
+                if swap:  # pragma: no cover - big-endian hosts
+                    ids.byteswap()
+                data += ids.tobytes()
                 if extra is not None:
                     data += encode_value(extra)
                 h: int = digest(data, seed)
