@@ -29,9 +29,7 @@ modules above.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Hashable, Mapping
-from typing import Concatenate, ParamSpec, TypeVar
+from collections.abc import Hashable, Mapping
 
 import torch
 
@@ -66,35 +64,6 @@ from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
-
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
-
-
-def _exclusive(
-    method: Callable[Concatenate[BlockTrie, _P], _T],
-) -> Callable[Concatenate[BlockTrie, _P], _T]:
-    """Refuse to enter an operation while another one is running ([R45]).
-
-    The cache is single-threaded; two threads inside it at once would corrupt
-    it. This flag costs one attribute test per call and turns that into a
-    `ConcurrentUse` error for the second caller, before it changes anything.
-    """
-
-    def guarded(self: BlockTrie, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        if self._busy:
-            raise ConcurrentUse(
-                f"{method.__name__}: this cache is already running an operation in another "
-                "thread; a BlockTrie is single-threaded (one scheduler owns it)"
-            )
-        self._busy = True
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._busy = False
-
-    functools.update_wrapper(guarded, method)
-    return guarded
 
 
 class BlockTrie:
@@ -218,6 +187,18 @@ class BlockTrie:
 
     # ---------------------------------------------------------------- helpers
 
+    def _concurrent_use(self, operation: str) -> ConcurrentUse:
+        """The error for a second thread entering `operation` while another runs ([R45]).
+
+        Every public operation tests and sets `_busy` (one attribute each way,
+        inline: a wrapper function would cost more than the flag); the second
+        caller is refused before it changes anything.
+        """
+        return ConcurrentUse(
+            f"{operation}: this cache is already running an operation in another thread; "
+            "a BlockTrie is single-threaded (one scheduler owns it)"
+        )
+
     def _check_live(self, seq: object) -> Sequence:
         """`seq` itself, if this trie's registry holds it as live ([R3])."""
         if not isinstance(seq, Sequence):
@@ -254,7 +235,6 @@ class BlockTrie:
 
     # ----------------------------------------------------------------- match
 
-    @_exclusive
     def match(self, tokens: TokenIds, namespace: str = "", extra: object = None) -> Sequence:
         """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
 
@@ -265,70 +245,80 @@ class BlockTrie:
         `InvalidArgument` on malformed input ([R1]), changing nothing.
         Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly (invariant 8).
         """
-        toks = token_list(tokens)
-        if not toks:
-            raise InvalidArgument("match: tokens must hold at least one token")
-        if not isinstance(namespace, str):
-            raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
-        ext = extra_tuple(extra)
-        size = self._block_size
-        keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
-        root = self._roots.get(namespace)
-        path: list[Node] = []
-        if root is not None:  # [R12]: walk while a child with the exact key exists
-            node = root
-            for key in keys:
-                child = node.children.get(key)
-                if child is None:
-                    break
-                path.append(child)
-                node = child
-        usable = min(len(path), (len(toks) - 1) // size)
-        ck: Checkpoint | None = None
-        if not self._ssm:
-            depth = usable
-            hit = usable * size
-        else:
-            if root is not None:
-                ck = CheckpointStore.deepest_match(root, path, toks, ext, usable, size)
-            depth = ck.step // size if ck is not None else 0
-            hit = ck.step if ck is not None else 0
+        if self._busy:
+            raise self._concurrent_use("match()")
+        self._busy = True
+        try:
+            toks = token_list(tokens)
+            if not toks:
+                raise InvalidArgument("match: tokens must hold at least one token")
+            if not isinstance(namespace, str):
+                raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
+            ext = extra_tuple(extra)
+            size = self._block_size
+            keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
+            root = self._roots.get(namespace)
+            path: list[Node] = []
+            if root is not None:  # [R12]: walk while a child with the exact key exists
+                node = root
+                for key in keys:
+                    child = node.children.get(key)
+                    if child is None:
+                        break
+                    path.append(child)
+                    node = child
+            usable = min(len(path), (len(toks) - 1) // size)
+            ck: Checkpoint | None = None
+            if not self._ssm:
+                depth = usable
+                hit = usable * size
+            else:
+                if root is not None:
+                    ck = CheckpointStore.deepest_match(root, path, toks, ext, usable, size)
+                depth = ck.step // size if ck is not None else 0
+                hit = ck.step if ck is not None else 0
 
-        self._seq_serial += 1
-        seq = Sequence(self, self._seq_serial, toks, namespace, ext)
-        seq.keys = keys
-        seq.branch_step = len(path) * size
-        held = path[:depth]
-        kv = self._kv
-        for node in held:
-            kv.incref(node.block)
-            if node.state == _EVICTABLE:
-                self._evictor.settle(node)
-        seq.path = held
-        seq.blocks = [node.block for node in held]
-        if ck is not None:
-            seq.match_receipt = self._checkpoints.pin(ck)
-            seq.restore = RestorePoint(ck)
-            self.stats.checkpoint_hits += 1
-        seq.num_cached_tokens = hit
-        seq.num_committed_tokens = hit
-        seq.query_tokens = len(toks)
-        stats = self.stats  # [R14]
-        stats.queries += 1
-        stats.query_tokens += len(toks)
-        stats.hit_tokens += hit
-        self._live[seq.serial] = seq
-        return seq
+            self._seq_serial += 1
+            seq = Sequence(self, self._seq_serial, toks, namespace, ext)
+            seq.keys = keys
+            seq.branch_step = len(path) * size
+            held = path[:depth]
+            kv = self._kv
+            for node in held:
+                kv.incref(node.block)
+                if node.state == _EVICTABLE:
+                    self._evictor.settle(node)
+            seq.path = held
+            seq.blocks = [node.block for node in held]
+            if ck is not None:
+                seq.match_receipt = self._checkpoints.pin(ck)
+                seq.restore = RestorePoint(ck)
+                self.stats.checkpoint_hits += 1
+            seq.num_cached_tokens = hit
+            seq.num_committed_tokens = hit
+            seq.query_tokens = len(toks)
+            stats = self.stats  # [R14]
+            stats.queries += 1
+            stats.query_tokens += len(toks)
+            stats.hit_tokens += hit
+            self._live[seq.serial] = seq
+            return seq
+        finally:
+            self._busy = False
 
     # ------------------------------------------------------- append/allocate
 
-    @_exclusive
     def append(self, seq: Sequence, tokens: TokenIds) -> None:
         """Extend `seq.tokens` (decode) ([R4]). Raises `SequenceNotLive` for a dead sequence."""
-        self._check_live(seq)
-        seq.token_list.extend(token_list(tokens))
+        if self._busy:
+            raise self._concurrent_use("append()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            seq.token_list.extend(token_list(tokens))
+        finally:
+            self._busy = False
 
-    @_exclusive
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Make the block table cover `tokens[:num_tokens]` ([R15]), evicting LRU
         leaves and then unpinned frozen tails if short ([R17]).
@@ -336,21 +326,26 @@ class BlockTrie:
         Raises `OutOfBlocks` when even eviction cannot make room, having
         evicted nothing ([R16]). Keeps invariants 1, 3 and 9.
         """
-        self._check_live(seq)
-        n = int_arg("num_tokens", num_tokens)
-        if not 0 <= n <= len(seq.token_list):
-            raise InvalidArgument(
-                f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
-            )
-        need = -(-n // self._block_size) - len(seq.blocks)
-        if need <= 0:
-            return
-        self._evictor.make_room(need)
-        seq.blocks.extend(self._kv.take(need))
+        if self._busy:
+            raise self._concurrent_use("allocate()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            n = int_arg("num_tokens", num_tokens)
+            if not 0 <= n <= len(seq.token_list):
+                raise InvalidArgument(
+                    f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
+                )
+            need = -(-n // self._block_size) - len(seq.blocks)
+            if need <= 0:
+                return
+            self._evictor.make_room(need)
+            seq.blocks.extend(self._kv.take(need))
+        finally:
+            self._busy = False
 
     # ---------------------------------------------------------------- commit
 
-    @_exclusive
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """`tokens[:num_tokens]` have computed KV: attach their full blocks to the trie.
 
@@ -360,49 +355,57 @@ class BlockTrie:
         Raises `InvalidArgument` outside `num_committed_tokens..covered`.
         Keeps invariants 1, 4, 5 and 10.
         """
-        self._check_live(seq)
-        n = int_arg("num_tokens", num_tokens)
-        size = self._block_size
-        covered = min(len(seq.token_list), len(seq.blocks) * size)
-        if not seq.num_committed_tokens <= n <= covered:
-            raise InvalidArgument(
-                f"commit: num_tokens={n} must be in {seq.num_committed_tokens}..{covered} "
-                f"(committed so far .. allocated and known tokens) for {seq!r}"
-            )
-        full = n // size
-        path = seq.path
-        start = len(path)
-        keys = seq.keys
-        if len(keys) < full:  # blocks completed by tokens appended after match
-            ext = seq.extra
-            keys.extend(request_keys(seq.token_list, ext, size, self._key_hash, len(keys), full))
-        self._clock += 1  # [R7]
-        tick = self._clock
-        if start >= full:
+        if self._busy:
+            raise self._concurrent_use("commit()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            n = int_arg("num_tokens", num_tokens)
+            size = self._block_size
+            covered = min(len(seq.token_list), len(seq.blocks) * size)
+            if not seq.num_committed_tokens <= n <= covered:
+                raise InvalidArgument(
+                    f"commit: num_tokens={n} must be in {seq.num_committed_tokens}..{covered} "
+                    f"(committed so far .. allocated and known tokens) for {seq!r}"
+                )
+            full = n // size
+            path = seq.path
+            start = len(path)
+            keys = seq.keys
+            if len(keys) < full:  # blocks completed by tokens appended after match
+                ext = seq.extra
+                keys.extend(
+                    request_keys(seq.token_list, ext, size, self._key_hash, len(keys), full)
+                )
+            self._clock += 1  # [R7]
+            tick = self._clock
+            if start >= full:
+                seq.num_committed_tokens = n
+                return
+            parent = path[-1] if path else self._root(seq.namespace)
+            plain = seq.extra is None and self._key_hash is None
+            kv = self._kv
+            stored: list[Node] = []
+            for i in range(start, full):
+                key = keys[i]
+                child = parent.children.get(key)
+                if child is not None:  # [R18]
+                    own = seq.blocks[i]
+                    kv.incref(child.block)
+                    seq.blocks[i] = child.block
+                    kv.decref(own)
+                    self._evictor.settle(child)
+                    child.tick = tick  # [R8]
+                else:  # [R19]
+                    identity = None if plain else block_identity(seq.extra, i)
+                    child = self._attach(parent, key, identity, seq.blocks[i], tick)
+                    stored.append(child)
+                path.append(child)
+                parent = child
+            self._events.stored(stored, size)
             seq.num_committed_tokens = n
-            return
-        parent = path[-1] if path else self._root(seq.namespace)
-        plain = seq.extra is None and self._key_hash is None
-        kv = self._kv
-        stored: list[Node] = []
-        for i in range(start, full):
-            key = keys[i]
-            child = parent.children.get(key)
-            if child is not None:  # [R18]
-                own = seq.blocks[i]
-                kv.incref(child.block)
-                seq.blocks[i] = child.block
-                kv.decref(own)
-                self._evictor.settle(child)
-                child.tick = tick  # [R8]
-            else:  # [R19]
-                identity = None if plain else block_identity(seq.extra, i)
-                child = self._attach(parent, key, identity, seq.blocks[i], tick)
-                stored.append(child)
-            path.append(child)
-            parent = child
-        self._events.stored(stored, size)
-        seq.num_committed_tokens = n
+        finally:
+            self._busy = False
 
     def _attach(self, parent: Node, key: Hashable, extra: Hashable, block: int, tick: int) -> Node:
         self._kv.incref(block)
@@ -432,34 +435,44 @@ class BlockTrie:
 
     # ------------------------------------------------------- release / abort
 
-    @_exclusive
     def release(self, seq: Sequence) -> None:
         """The request is done: drop its references ([R20]); committed blocks stay cached.
 
         Raises `SequenceNotLive` for a sequence already released or aborted.
         """
-        self._check_live(seq)
-        self._clock += 1
-        tick = self._clock
-        for node in seq.path:
-            node.tick = tick  # [R8]; held by seq, so in no index while it changes
-        self._drop(seq)
+        if self._busy:
+            raise self._concurrent_use("release()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            self._clock += 1
+            tick = self._clock
+            for node in seq.path:
+                node.tick = tick  # [R8]; held by seq, so in no index while it changes
+            self._drop(seq)
+        finally:
+            self._busy = False
 
-    @_exclusive
     def abort(self, seq: Sequence) -> None:
         """Reject a tentative match: undo its references, pin and statistics ([R21]).
 
         `match` then `abort` leaves every count, pin, index and statistic as it
         was (invariant 8). Raises `SequenceNotLive` for a dead sequence.
         """
-        self._check_live(seq)
-        stats = self.stats
-        stats.queries -= 1
-        stats.query_tokens -= seq.query_tokens
-        stats.hit_tokens -= seq.num_cached_tokens
-        if seq.restore is not None:
-            stats.checkpoint_hits -= 1
-        self._drop(seq)
+        if self._busy:
+            raise self._concurrent_use("abort()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            stats = self.stats
+            stats.queries -= 1
+            stats.query_tokens -= seq.query_tokens
+            stats.hit_tokens -= seq.num_cached_tokens
+            if seq.restore is not None:
+                stats.checkpoint_hits -= 1
+            self._drop(seq)
+        finally:
+            self._busy = False
 
     def _drop(self, seq: Sequence) -> None:
         if seq.match_receipt is not None:
@@ -478,7 +491,6 @@ class BlockTrie:
 
     # ---------------------------------------------------------------- evict
 
-    @_exclusive
     def evict(self, num_blocks: int) -> int:
         """Evict LRU evictable leaves until `num_blocks` KV blocks are freed ([R23]).
 
@@ -486,44 +498,59 @@ class BlockTrie:
         nothing more is evictable. Pinned or shared nodes are never touched
         (invariant 3). Raises `InvalidArgument` for a negative count.
         """
-        n = int_arg("num_blocks", num_blocks)
-        if n < 0:
-            raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
-        return self._evictor.evict(n)
+        if self._busy:
+            raise self._concurrent_use("evict()")
+        self._busy = True
+        try:
+            n = int_arg("num_blocks", num_blocks)
+            if n < 0:
+                raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
+            return self._evictor.evict(n)
+        finally:
+            self._busy = False
 
-    @_exclusive
     def evict_checkpoints(self, n: int) -> int:
         """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes
         stay ([R24]). Returns how many; pinned ones are never touched (invariant 2)."""
-        count = int_arg("n", n)
-        if count < 0:
-            raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
-        return self._checkpoints.evict_lru(count)
+        if self._busy:
+            raise self._concurrent_use("evict_checkpoints()")
+        self._busy = True
+        try:
+            count = int_arg("n", n)
+            if count < 0:
+                raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
+            return self._checkpoints.evict_lru(count)
+        finally:
+            self._busy = False
 
-    @_exclusive
     def clear(self) -> None:
         """Drop every cached block and checkpoint ([R22]).
 
         Needs no live sequence, copy in flight or explicit pin (`CacheError`
         otherwise, nothing changed). Emits one `AllBlocksCleared`.
         """
-        inflight = self._transfers.inflight
-        if self._live or inflight or self._explicit:
-            raise CacheError(
-                f"clear: {len(self._live)} live sequences, {len(inflight)} copies in "
-                f"flight and {len(self._explicit)} explicit pins must be finished first"
-            )
-        with self._events.muted():
-            self._evictor.evict(self._kv.capacity)
-            for root in self._roots.values():
-                if root.checkpoint is not None:
-                    self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
-                    self.stats.evicted_checkpoints += 1
-        self._events.cleared()
+        if self._busy:
+            raise self._concurrent_use("clear()")
+        self._busy = True
+        try:
+            inflight = self._transfers.inflight
+            if self._live or inflight or self._explicit:
+                raise CacheError(
+                    f"clear: {len(self._live)} live sequences, {len(inflight)} copies in "
+                    f"flight and {len(self._explicit)} explicit pins must be finished first"
+                )
+            with self._events.muted():
+                self._evictor.evict(self._kv.capacity)
+                for root in self._roots.values():
+                    if root.checkpoint is not None:
+                        self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
+                        self.stats.evicted_checkpoints += 1
+            self._events.cleared()
+        finally:
+            self._busy = False
 
     # ----------------------------------------------------------- checkpoints
 
-    @_exclusive
     def save(
         self, seq: Sequence, step: int, runtime_state: Mapping[str, torch.Tensor] | None
     ) -> Copy | None:
@@ -537,100 +564,109 @@ class BlockTrie:
         `InvalidArgument` for a step outside the sequence. Keeps invariants 1,
         2 and 7; a copy that fails is undone ([R38]).
         """
-        self._check_live(seq)
-        step = int_arg("step", step)
-        if not self._ssm:
-            raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots=0)")
-        if not 1 <= step <= len(seq.token_list):
-            raise InvalidArgument(f"save: step={step} outside 1..{len(seq.token_list)} for {seq!r}")
-        size = self._block_size
-        depth, rem = divmod(step, size)
-        if depth > seq.num_committed_tokens // size:
-            raise CheckpointError(
-                f"save: step={step} anchors at block {depth}, but {seq!r} has committed only "
-                f"{seq.num_committed_tokens // size} blocks"
-            )
-        if rem and len(seq.blocks) <= depth:
-            raise CheckpointError(
-                f"save: step={step} needs the partial block {depth} allocated in {seq!r}"
-            )
-        runtime = self._slots.check_runtime(runtime_state)
+        if self._busy:
+            raise self._concurrent_use("save()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            step = int_arg("step", step)
+            if not self._ssm:
+                raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots=0)")
+            if not 1 <= step <= len(seq.token_list):
+                raise InvalidArgument(
+                    f"save: step={step} outside 1..{len(seq.token_list)} for {seq!r}"
+                )
+            size = self._block_size
+            depth, rem = divmod(step, size)
+            if depth > seq.num_committed_tokens // size:
+                raise CheckpointError(
+                    f"save: step={step} anchors at block {depth}, but {seq!r} has committed only "
+                    f"{seq.num_committed_tokens // size} blocks"
+                )
+            if rem and len(seq.blocks) <= depth:
+                raise CheckpointError(
+                    f"save: step={step} needs the partial block {depth} allocated in {seq!r}"
+                )
+            runtime = self._slots.check_runtime(runtime_state)
 
-        root = self._roots.get(seq.namespace)
-        anchor = seq.path[depth - 1] if depth else root
-        tail = tuple(seq.token_list[depth * size : step])
-        tail_extra = block_identity(seq.extra, depth) if rem else None
-        old = anchor.checkpoint if anchor is not None else None
-        stats = self.stats
-        if old is not None:
-            same = old.step == step and old.tail == tail and old.tail_extra == tail_extra
-            if same and CHECKPOINT.can(CheckpointTrigger.PIN, old.state):
-                stats.checkpoints_deduplicated += 1  # [R25]
+            root = self._roots.get(seq.namespace)
+            anchor = seq.path[depth - 1] if depth else root
+            tail = tuple(seq.token_list[depth * size : step])
+            tail_extra = block_identity(seq.extra, depth) if rem else None
+            old = anchor.checkpoint if anchor is not None else None
+            stats = self.stats
+            if old is not None:
+                same = old.step == step and old.tail == tail and old.tail_extra == tail_extra
+                if same and CHECKPOINT.can(CheckpointTrigger.PIN, old.state):
+                    stats.checkpoints_deduplicated += 1  # [R25]
+                    return None
+                if not CHECKPOINT.can(CheckpointTrigger.REPLACE, old.state):
+                    stats.checkpoints_skipped += 1  # [R26]
+                    return None
+            reuse_frozen = old is not None and old.frozen_block is not None and rem > 0  # [R27]
+            need_block = rem > 0 and not reuse_frozen
+            need_slot = old is None
+            evictor = self._evictor
+            # [R30]: feasibility first, on the unchanged state.
+            if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
+                stats.checkpoints_skipped += 1  # [R28]
                 return None
-            if not CHECKPOINT.can(CheckpointTrigger.REPLACE, old.state):
-                stats.checkpoints_skipped += 1  # [R26]
+            if need_block and self._kv.num_free == 0 and not evictor.room_possible(1):
+                stats.checkpoints_skipped += 1  # [R29]
                 return None
-        reuse_frozen = old is not None and old.frozen_block is not None and rem > 0  # [R27]
-        need_block = rem > 0 and not reuse_frozen
-        need_slot = old is None
-        evictor = self._evictor
-        # [R30]: feasibility first, on the unchanged state.
-        if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
-            stats.checkpoints_skipped += 1  # [R28]
-            return None
-        if need_block and self._kv.num_free == 0 and not evictor.room_possible(1):
-            stats.checkpoints_skipped += 1  # [R29]
-            return None
 
-        if need_slot and self._slots.num_free == 0:
-            self._checkpoints.evict_lru(1)  # [R28]
-        if need_block:
-            evictor.make_room(1)  # [R29]
-        slot = self._slots.take() if old is None else old.slot
-        frozen: int | None = old.frozen_block if reuse_frozen and old is not None else None
-        if need_block:
-            try:
-                frozen = self._kv.take(1)[0]
-            except CacheError:
-                if need_slot:
-                    self._slots.give(slot)
-                raise
+            if need_slot and self._slots.num_free == 0:
+                self._checkpoints.evict_lru(1)  # [R28]
+            if need_block:
+                evictor.make_room(1)  # [R29]
+            slot = self._slots.take() if old is None else old.slot
+            frozen: int | None = old.frozen_block if reuse_frozen and old is not None else None
+            if need_block:
+                try:
+                    frozen = self._kv.take(1)[0]
+                except CacheError:
+                    if need_slot:
+                        self._slots.give(slot)
+                    raise
 
-        new_root = anchor is None
-        if anchor is None:  # created only now that nothing can fail ([R6], [R11])
-            anchor = self._root(seq.namespace)
-        if old is not None:
-            self._checkpoints.move(old, CheckpointTrigger.REPLACE)
-            anchor.checkpoint = None
-            if old.frozen_block is not None and not reuse_frozen:
-                self._kv.decref(old.frozen_block)
-        self._clock += 1  # [R31]
-        ck = self._checkpoints.reserve(anchor, step, tail, tail_extra, slot, frozen, self._clock)
-        seq_block = seq.blocks[depth] if rem else -1
-        copy = self._transfers.build(
-            "save", step, slot, runtime, into_checkpoint=True, frozen_block=frozen,
-            seq_block=seq_block,
-        )  # fmt: skip
-        self._checkpoints.publish(ck)
-        copy.receipts.append(self._checkpoints.pin(ck))
-        stats.checkpoints_saved += 1
+            new_root = anchor is None
+            if anchor is None:  # created only now that nothing can fail ([R6], [R11])
+                anchor = self._root(seq.namespace)
+            if old is not None:
+                self._checkpoints.move(old, CheckpointTrigger.REPLACE)
+                anchor.checkpoint = None
+                if old.frozen_block is not None and not reuse_frozen:
+                    self._kv.decref(old.frozen_block)
+            self._clock += 1  # [R31]
+            ck = self._checkpoints.reserve(
+                anchor, step, tail, tail_extra, slot, frozen, self._clock
+            )
+            seq_block = seq.blocks[depth] if rem else -1
+            copy = self._transfers.build(
+                "save", step, slot, runtime, into_checkpoint=True, frozen_block=frozen,
+                seq_block=seq_block,
+            )  # fmt: skip
+            self._checkpoints.publish(ck)
+            copy.receipts.append(self._checkpoints.pin(ck))
+            stats.checkpoints_saved += 1
 
-        def undo() -> None:
-            # Its data never arrived: take the checkpoint out again. A replaced
-            # one cannot come back: its slot was being overwritten.
-            self._checkpoints.unpin(copy.receipts[0])
-            self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
-            if new_root:
-                del self._roots[seq.namespace]
-            if old is not None:  # [R38]: lost with its slot's data, so counted
-                stats.evicted_checkpoints += 1
-            self._clock -= 1
-            stats.checkpoints_saved -= 1
+            def undo() -> None:
+                # Its data never arrived: take the checkpoint out again. A replaced
+                # one cannot come back: its slot was being overwritten.
+                self._checkpoints.unpin(copy.receipts[0])
+                self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
+                if new_root:
+                    del self._roots[seq.namespace]
+                if old is not None:  # [R38]: lost with its slot's data, so counted
+                    stats.evicted_checkpoints += 1
+                self._clock -= 1
+                stats.checkpoints_saved -= 1
 
-        self._transfers.launch(copy, undo)
-        return copy
+            self._transfers.launch(copy, undo)
+            return copy
+        finally:
+            self._busy = False
 
-    @_exclusive
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
         """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block)
         ([R32]-[R34]).
@@ -640,92 +676,118 @@ class BlockTrie:
         checkpoint, the sequence was already restored, or its partial block is
         already committed; `OutOfBlocks` when a private block cannot be found.
         """
-        self._check_live(seq)
-        point = seq.restore
-        if point is None:
-            raise CheckpointError(f"restore: {seq!r} matched no checkpoint")
-        receipt = seq.match_receipt
-        if receipt is None:
-            raise CheckpointError(f"restore: {seq!r} was already restored")
-        ck = point.checkpoint
-        if ck.state == CheckpointState.WITHDRAWN:
-            raise CheckpointError(  # [R46]
-                f"restore: {ck!r} was withdrawn (its save copy failed); abort {seq!r}"
-            )
-        runtime = self._slots.check_runtime(runtime_state, written=True)
-        depth = ck.step // self._block_size
-        if ck.frozen_block is not None and len(seq.path) > depth:
-            raise CheckpointError(  # [R32]
-                f"restore: {seq!r} already committed block {depth}, where the frozen tail "
-                "would be written; restore before prefill"
-            )
-        allocated = ck.frozen_block is not None and len(seq.blocks) == depth
-        if allocated:  # [R33]
-            self._evictor.make_room(1)
-            seq.blocks.extend(self._kv.take(1))
-        old_tick = ck.tick
-        self._clock += 1  # [R34]
-        ck.tick = self._clock  # [R9]; pinned, so in no index while it changes
-        seq_block = seq.blocks[depth] if ck.frozen_block is not None else -1
-        copy = self._transfers.build(
-            "restore", ck.step, ck.slot, runtime, into_checkpoint=False,
-            frozen_block=ck.frozen_block, seq_block=seq_block,
-        )  # fmt: skip
-        copy.receipts.append(receipt)
-        seq.match_receipt = None
-        seq.restored = True
-        self.stats.restores += 1
+        if self._busy:
+            raise self._concurrent_use("restore()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            point = seq.restore
+            if point is None:
+                raise CheckpointError(f"restore: {seq!r} matched no checkpoint")
+            receipt = seq.match_receipt
+            if receipt is None:
+                raise CheckpointError(f"restore: {seq!r} was already restored")
+            ck = point.checkpoint
+            if ck.state == CheckpointState.WITHDRAWN:
+                raise CheckpointError(  # [R46]
+                    f"restore: {ck!r} was withdrawn (its save copy failed); abort {seq!r}"
+                )
+            runtime = self._slots.check_runtime(runtime_state, written=True)
+            depth = ck.step // self._block_size
+            if ck.frozen_block is not None and len(seq.path) > depth:
+                raise CheckpointError(  # [R32]
+                    f"restore: {seq!r} already committed block {depth}, where the frozen tail "
+                    "would be written; restore before prefill"
+                )
+            allocated = ck.frozen_block is not None and len(seq.blocks) == depth
+            if allocated:  # [R33]
+                self._evictor.make_room(1)
+                seq.blocks.extend(self._kv.take(1))
+            old_tick = ck.tick
+            self._clock += 1  # [R34]
+            ck.tick = self._clock  # [R9]; pinned, so in no index while it changes
+            seq_block = seq.blocks[depth] if ck.frozen_block is not None else -1
+            copy = self._transfers.build(
+                "restore", ck.step, ck.slot, runtime, into_checkpoint=False,
+                frozen_block=ck.frozen_block, seq_block=seq_block,
+            )  # fmt: skip
+            copy.receipts.append(receipt)
+            seq.match_receipt = None
+            seq.restored = True
+            self.stats.restores += 1
 
-        def undo() -> None:
-            seq.match_receipt = receipt
-            seq.restored = False
-            if allocated:
-                self._kv.decref(seq.blocks.pop())
-            ck.tick = old_tick
-            self._clock -= 1
-            self.stats.restores -= 1
+            def undo() -> None:
+                seq.match_receipt = receipt
+                seq.restored = False
+                if allocated:
+                    self._kv.decref(seq.blocks.pop())
+                ck.tick = old_tick
+                self._clock -= 1
+                self.stats.restores -= 1
 
-        self._transfers.launch(copy, undo)
-        return copy
+            self._transfers.launch(copy, undo)
+            return copy
+        finally:
+            self._busy = False
 
-    @_exclusive
     def poll(self) -> int:
         """Reap finished copies, oldest first, releasing their pins and references
         ([R35]). Returns how many were reaped."""
-        return self._transfers.poll()
+        if self._busy:
+            raise self._concurrent_use("poll()")
+        self._busy = True
+        try:
+            return self._transfers.poll()
+        finally:
+            self._busy = False
 
-    @_exclusive
     def pin(self, seq: Sequence) -> PinReceipt:
         """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin` ([R39]).
 
         Raises `CheckpointError` when the match found no checkpoint,
         `IllegalTransition` when that checkpoint has since been released ([R41]).
         """
-        self._check_live(seq)
-        if seq.restore is None:
-            raise CheckpointError(f"pin: {seq!r} matched no checkpoint")
-        receipt = self._checkpoints.pin(seq.restore.checkpoint)
-        self._explicit[id(receipt)] = receipt
-        return receipt
+        if self._busy:
+            raise self._concurrent_use("pin()")
+        self._busy = True
+        try:
+            self._check_live(seq)
+            if seq.restore is None:
+                raise CheckpointError(f"pin: {seq!r} matched no checkpoint")
+            receipt = self._checkpoints.pin(seq.restore.checkpoint)
+            self._explicit[id(receipt)] = receipt
+            return receipt
+        finally:
+            self._busy = False
 
-    @_exclusive
     def unpin(self, receipt: PinReceipt) -> None:
         """Redeem a receipt from `pin` ([R40]); a second use raises `PinError`."""
-        if not isinstance(receipt, PinReceipt):
-            raise InvalidType(f"unpin takes a PinReceipt, got {type(receipt).__name__}")
-        if receipt.owner is not self or self._explicit.get(id(receipt)) is not receipt:
-            if receipt.used and receipt.owner is self:
-                raise PinError(f"unpin: {receipt!r} was already used")
-            raise PinError(f"unpin: {receipt!r} was not issued by this cache's pin()")
-        del self._explicit[id(receipt)]
-        self._checkpoints.unpin(receipt)
+        if self._busy:
+            raise self._concurrent_use("unpin()")
+        self._busy = True
+        try:
+            if not isinstance(receipt, PinReceipt):
+                raise InvalidType(f"unpin takes a PinReceipt, got {type(receipt).__name__}")
+            if receipt.owner is not self or self._explicit.get(id(receipt)) is not receipt:
+                if receipt.used and receipt.owner is self:
+                    raise PinError(f"unpin: {receipt!r} was already used")
+                raise PinError(f"unpin: {receipt!r} was not issued by this cache's pin()")
+            del self._explicit[id(receipt)]
+            self._checkpoints.unpin(receipt)
+        finally:
+            self._busy = False
 
     # ---------------------------------------------------------------- events
 
-    @_exclusive
     def drain_events(self) -> list[Event]:
         """Return and forget the events emitted since the last drain (invariant 10)."""
-        return self._events.drain()
+        if self._busy:
+            raise self._concurrent_use("drain_events()")
+        self._busy = True
+        try:
+            return self._events.drain()
+        finally:
+            self._busy = False
 
     # ------------------------------------------------------------ inspection
 
