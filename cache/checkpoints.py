@@ -25,6 +25,7 @@ from spec.lifecycle import (
 _PUBLISHED = CheckpointState.PUBLISHED.value
 _RESERVED = CheckpointState.RESERVED.value
 _WITHDRAWN = CheckpointState.WITHDRAWN.value
+_ABSENT = CheckpointState.ABSENT.value
 
 
 def _no_settle(node: Node) -> None:
@@ -154,13 +155,17 @@ class CheckpointStore:
         self._events.checkpoint_published(ck, self._block_size)
 
     def _settle(self, ck: Checkpoint) -> None:
-        """Route `ck` to the state its pin count implies."""
+        """Route `ck` to the state its pin count implies; one the spec implies
+        `absent` (withdrawn, last pin gone: [R46]) is released."""
         implied = implied_checkpoint_state(
             present=True,
             published=ck.state != _RESERVED,
             pins=ck.pins,
             withdrawn=ck.state == _WITHDRAWN,
         )
+        if implied == _ABSENT:
+            self.drop(ck, CheckpointTrigger.RELEASE)
+            return
         for trigger in CHECKPOINT.route(ck.state, implied, ck):
             self.move(ck, CheckpointTrigger(trigger))
 
@@ -171,8 +176,7 @@ class CheckpointStore:
         self.move(ck, CheckpointTrigger.WITHDRAW)
         if announced:
             self._events.checkpoint_dropped(ck)
-        if ck.pins == 0:
-            self.drop(ck, CheckpointTrigger.RELEASE)
+        self._settle(ck)
 
     def pin(self, ck: Checkpoint) -> PinReceipt:
         """One more pin on a matchable checkpoint; returns its receipt ([R39])."""
@@ -193,10 +197,8 @@ class CheckpointStore:
         receipt.state = RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, receipt)
         ck.pins -= 1
         self._stats.pins -= 1
-        self._settle(ck)
         anchor = ck.anchor
-        if ck.state == _WITHDRAWN and ck.pins == 0:
-            self.drop(ck, CheckpointTrigger.RELEASE)  # [R46]: its last pin went
+        self._settle(ck)
         self.on_pins_changed(anchor)
 
     def drop(self, ck: Checkpoint, trigger: CheckpointTrigger) -> int:

@@ -252,8 +252,6 @@ def explicit_state(snap: Snapshot) -> Problems:
             pins=ck["pins"],
             withdrawn=withdrawn,
         ).value
-        if withdrawn and ck["pins"] == 0:
-            problems.append(f"checkpoint {cid}: withdrawn with no pin left, yet not released")
         if ck["state"] != implied_ck:
             problems.append(f"checkpoint {cid}: stored state {ck['state']!r} != {implied_ck!r}")
         anchor = nodes.get(ck["anchor"])

@@ -354,11 +354,15 @@ def implied_node_state(
 def implied_checkpoint_state(
     *, present: bool, published: bool, pins: int, withdrawn: bool = False
 ) -> CheckpointState:
-    """The checkpoint state that the facts imply (a withdrawn one whatever its pins)."""
+    """The checkpoint state that the facts imply.
+
+    A withdrawn checkpoint (its save failed) stays `withdrawn` while pinned and
+    is `absent` (to be released) once its last pin has gone.
+    """
     if not present:
         return CheckpointState.ABSENT
     if withdrawn:
-        return CheckpointState.WITHDRAWN
+        return CheckpointState.WITHDRAWN if pins > 0 else CheckpointState.ABSENT
     if pins > 0:
         return CheckpointState.PINNED
     return CheckpointState.PUBLISHED if published else CheckpointState.RESERVED

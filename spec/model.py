@@ -401,8 +401,15 @@ class ReferenceCache:
     def _release_withdrawn(self) -> None:
         """[R46]: a withdrawn checkpoint goes when its last pin goes."""
         for c in self._live_checkpoints():
-            if c.withdrawn and self._pin_count(c) == 0:
-                self._drop_checkpoint(c, CheckpointTrigger.RELEASE)
+            if c.withdrawn and self._checkpoint_state(c) is CheckpointState.ABSENT:
+                # The spec implies it gone (its last pin went): released from `withdrawn`.
+                CHECKPOINT.step(
+                    CheckpointTrigger.RELEASE,
+                    CheckpointState.WITHDRAWN.value,
+                    f"checkpoint #{c.serial}",
+                )
+                c.present = False
+                c.anchor.checkpoint = None
 
     def _evictable_index(self) -> list[_Node]:
         # [R10]: smallest (tick, serial) first.

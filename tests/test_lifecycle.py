@@ -118,3 +118,17 @@ def test_docgen_check_detects_a_stale_file(tmp_path: Path) -> None:
     assert docgen.main(["--check", "--path", str(path)]) == 1
     assert docgen.main(["--path", str(path)]) == 0
     assert docgen.main(["--check", "--path", str(path)]) == 0
+
+
+def test_a_withdrawn_checkpoint_is_implied_absent_once_its_last_pin_goes() -> None:
+    """[R46]: the rule lives in the spec; the cache and the model release on it."""
+    assert (
+        implied_checkpoint_state(present=True, published=True, pins=1, withdrawn=True)
+        == CheckpointState.WITHDRAWN
+    )
+    assert (
+        implied_checkpoint_state(present=True, published=True, pins=0, withdrawn=True)
+        == CheckpointState.ABSENT
+    )
+    assert CHECKPOINT.can("release", CheckpointState.WITHDRAWN.value)
+    assert not CHECKPOINT.can("pin", CheckpointState.WITHDRAWN.value)
