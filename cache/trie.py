@@ -18,7 +18,8 @@ The numbers in brackets cite the rules of the operational semantics
 
 Single-threaded ([R45]): one engine scheduler owns a trie. A second thread
 that enters an operation while another is running gets `ConcurrentUse`
-before it changes anything (a cheap flag, not a lock: detection, not support).
+before it changes anything (a lock taken without waiting: detection, not
+support; no call ever blocks on it).
 
 This module is longer than the ~400 lines the others keep to (about 530 lines
 of code, 140 of docstrings): it holds seventeen public operations, and each
@@ -29,6 +30,7 @@ modules above.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Mapping
 
 import torch
@@ -135,7 +137,7 @@ class BlockTrie:
         self._seq_serial = 0
         self._live: dict[int, Sequence] = {}
         self._explicit: dict[int, PinReceipt] = {}
-        self._busy = False
+        self._gate = threading.Lock()  # held while an operation runs ([R45])
 
     # ------------------------------------------------------------------ counts
 
@@ -190,9 +192,10 @@ class BlockTrie:
     def _concurrent_use(self, operation: str) -> ConcurrentUse:
         """The error for a second thread entering `operation` while another runs ([R45]).
 
-        Every public operation tests and sets `_busy` (one attribute each way,
-        inline: a wrapper function would cost more than the flag); the second
-        caller is refused before it changes anything.
+        Every public operation takes `_gate` without blocking (an atomic test
+        and set, inline: a wrapper function would cost more than the lock) and
+        releases it when done; the second caller is refused before it changes
+        anything.
         """
         return ConcurrentUse(
             f"{operation}: this cache is already running an operation in another thread; "
@@ -245,9 +248,8 @@ class BlockTrie:
         `InvalidArgument` on malformed input ([R1]), changing nothing.
         Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly (invariant 8).
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("match()")
-        self._busy = True
         try:
             toks = token_list(tokens)
             if not toks:
@@ -304,20 +306,19 @@ class BlockTrie:
             self._live[seq.serial] = seq
             return seq
         finally:
-            self._busy = False
+            self._gate.release()
 
     # ------------------------------------------------------- append/allocate
 
     def append(self, seq: Sequence, tokens: TokenIds) -> None:
         """Extend `seq.tokens` (decode) ([R4]). Raises `SequenceNotLive` for a dead sequence."""
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("append()")
-        self._busy = True
         try:
             self._check_live(seq)
             seq.token_list.extend(token_list(tokens))
         finally:
-            self._busy = False
+            self._gate.release()
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Make the block table cover `tokens[:num_tokens]` ([R15]), evicting LRU
@@ -326,9 +327,8 @@ class BlockTrie:
         Raises `OutOfBlocks` when even eviction cannot make room, having
         evicted nothing ([R16]). Keeps invariants 1, 3 and 9.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("allocate()")
-        self._busy = True
         try:
             self._check_live(seq)
             n = int_arg("num_tokens", num_tokens)
@@ -342,7 +342,7 @@ class BlockTrie:
             self._evictor.make_room(need)
             seq.blocks.extend(self._kv.take(need))
         finally:
-            self._busy = False
+            self._gate.release()
 
     # ---------------------------------------------------------------- commit
 
@@ -355,9 +355,8 @@ class BlockTrie:
         Raises `InvalidArgument` outside `num_committed_tokens..covered`.
         Keeps invariants 1, 4, 5 and 10.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("commit()")
-        self._busy = True
         try:
             self._check_live(seq)
             n = int_arg("num_tokens", num_tokens)
@@ -405,7 +404,7 @@ class BlockTrie:
             self._events.stored(stored, size)
             seq.num_committed_tokens = n
         finally:
-            self._busy = False
+            self._gate.release()
 
     def _attach(self, parent: Node, key: Hashable, extra: Hashable, block: int, tick: int) -> Node:
         self._kv.incref(block)
@@ -440,9 +439,8 @@ class BlockTrie:
 
         Raises `SequenceNotLive` for a sequence already released or aborted.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("release()")
-        self._busy = True
         try:
             self._check_live(seq)
             self._clock += 1
@@ -451,7 +449,7 @@ class BlockTrie:
                 node.tick = tick  # [R8]; held by seq, so in no index while it changes
             self._drop(seq)
         finally:
-            self._busy = False
+            self._gate.release()
 
     def abort(self, seq: Sequence) -> None:
         """Reject a tentative match: undo its references, pin and statistics ([R21]).
@@ -459,9 +457,8 @@ class BlockTrie:
         `match` then `abort` leaves every count, pin, index and statistic as it
         was (invariant 8). Raises `SequenceNotLive` for a dead sequence.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("abort()")
-        self._busy = True
         try:
             self._check_live(seq)
             stats = self.stats
@@ -472,7 +469,7 @@ class BlockTrie:
                 stats.checkpoint_hits -= 1
             self._drop(seq)
         finally:
-            self._busy = False
+            self._gate.release()
 
     def _drop(self, seq: Sequence) -> None:
         if seq.match_receipt is not None:
@@ -498,30 +495,28 @@ class BlockTrie:
         nothing more is evictable. Pinned or shared nodes are never touched
         (invariant 3). Raises `InvalidArgument` for a negative count.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("evict()")
-        self._busy = True
         try:
             n = int_arg("num_blocks", num_blocks)
             if n < 0:
                 raise InvalidArgument(f"evict: num_blocks must be >= 0, got {n}")
             return self._evictor.evict(n)
         finally:
-            self._busy = False
+            self._gate.release()
 
     def evict_checkpoints(self, n: int) -> int:
         """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes
         stay ([R24]). Returns how many; pinned ones are never touched (invariant 2)."""
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("evict_checkpoints()")
-        self._busy = True
         try:
             count = int_arg("n", n)
             if count < 0:
                 raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
             return self._checkpoints.evict_lru(count)
         finally:
-            self._busy = False
+            self._gate.release()
 
     def clear(self) -> None:
         """Drop every cached block and checkpoint ([R22]).
@@ -529,9 +524,8 @@ class BlockTrie:
         Needs no live sequence, copy in flight or explicit pin (`CacheError`
         otherwise, nothing changed). Emits one `AllBlocksCleared`.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("clear()")
-        self._busy = True
         try:
             inflight = self._transfers.inflight
             if self._live or inflight or self._explicit:
@@ -547,7 +541,7 @@ class BlockTrie:
                         self.stats.evicted_checkpoints += 1
             self._events.cleared()
         finally:
-            self._busy = False
+            self._gate.release()
 
     # ----------------------------------------------------------- checkpoints
 
@@ -564,9 +558,8 @@ class BlockTrie:
         `InvalidArgument` for a step outside the sequence. Keeps invariants 1,
         2 and 7; a copy that fails is undone ([R38]).
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("save()")
-        self._busy = True
         try:
             self._check_live(seq)
             step = int_arg("step", step)
@@ -665,7 +658,7 @@ class BlockTrie:
             self._transfers.launch(copy, undo)
             return copy
         finally:
-            self._busy = False
+            self._gate.release()
 
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
         """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block)
@@ -676,9 +669,8 @@ class BlockTrie:
         checkpoint, the sequence was already restored, or its partial block is
         already committed; `OutOfBlocks` when a private block cannot be found.
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("restore()")
-        self._busy = True
         try:
             self._check_live(seq)
             point = seq.restore
@@ -728,18 +720,17 @@ class BlockTrie:
             self._transfers.launch(copy, undo)
             return copy
         finally:
-            self._busy = False
+            self._gate.release()
 
     def poll(self) -> int:
         """Reap finished copies, oldest first, releasing their pins and references
         ([R35]). Returns how many were reaped."""
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("poll()")
-        self._busy = True
         try:
             return self._transfers.poll()
         finally:
-            self._busy = False
+            self._gate.release()
 
     def pin(self, seq: Sequence) -> PinReceipt:
         """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin` ([R39]).
@@ -747,9 +738,8 @@ class BlockTrie:
         Raises `CheckpointError` when the match found no checkpoint,
         `IllegalTransition` when that checkpoint has since been released ([R41]).
         """
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("pin()")
-        self._busy = True
         try:
             self._check_live(seq)
             if seq.restore is None:
@@ -758,13 +748,12 @@ class BlockTrie:
             self._explicit[id(receipt)] = receipt
             return receipt
         finally:
-            self._busy = False
+            self._gate.release()
 
     def unpin(self, receipt: PinReceipt) -> None:
         """Redeem a receipt from `pin` ([R40]); a second use raises `PinError`."""
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("unpin()")
-        self._busy = True
         try:
             if not isinstance(receipt, PinReceipt):
                 raise InvalidType(f"unpin takes a PinReceipt, got {type(receipt).__name__}")
@@ -775,19 +764,18 @@ class BlockTrie:
             del self._explicit[id(receipt)]
             self._checkpoints.unpin(receipt)
         finally:
-            self._busy = False
+            self._gate.release()
 
     # ---------------------------------------------------------------- events
 
     def drain_events(self) -> list[Event]:
         """Return and forget the events emitted since the last drain (invariant 10)."""
-        if self._busy:
+        if not self._gate.acquire(False):
             raise self._concurrent_use("drain_events()")
-        self._busy = True
         try:
             return self._events.drain()
         finally:
-            self._busy = False
+            self._gate.release()
 
     # ------------------------------------------------------------ inspection
 
