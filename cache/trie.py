@@ -61,7 +61,7 @@ from spec.errors import (
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, CheckpointState, CheckpointTrigger, NodeState
+from spec.lifecycle import CHECKPOINT, CheckpointTrigger, NodeState
 from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
@@ -680,7 +680,7 @@ class BlockTrie:
             if receipt is None:
                 raise CheckpointError(f"restore: {seq!r} was already restored")
             ck = point.checkpoint
-            if ck.state == CheckpointState.WITHDRAWN:
+            if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # matchable no more
                 raise CheckpointError(  # [R46]
                     f"restore: {ck!r} was withdrawn (its save copy failed); abort {seq!r}"
                 )
