@@ -70,13 +70,21 @@ class Copy:
         """A copy of `moves` (source, destination) touching `resources`; built by
         the trie (`cache.transfers`), not by users."""
         self.kind = kind
+        """"save" or "restore"."""
         self.step = step
+        """The checkpoint's step (tokens of state it carries)."""
         self.moves = moves
+        """The tensor moves, (source, destination), in order."""
         self.resources = frozenset(resources)
+        """The blocks and slots it touches: copies sharing one run in queue order."""
         self.serial = serial
+        """Per-trie creation counter."""
         self.receipts: list[PinReceipt] = []
+        """The pins it holds until reaped (a save's producer pin, a restore's match pin)."""
         self.blocks: list[int] = []
+        """The KV block references it holds until reaped."""
         self.state: str = _QUEUED
+        """Its `spec.lifecycle.COPY` state: queued, finished, failed, reaped."""
         self.failed = False
         """Whether the copy failed (its data never arrived); stays True once reaped."""
         self._on_fail: Callable[[Copy], None] | None = None
