@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
+from cache.block_hash import SCHEMES
 from spec.errors import ConfigError
 
 KeyHash = Callable[[Hashable], int]
 """Hash used to narrow a child lookup; exact key comparison always decides."""
 
-BLOCK_HASH_SCHEMES = ("xxh3", "vllm")
-"""`CacheConfig.block_hash` values (see `cache.block_hash`)."""
+BLOCK_HASH_SCHEMES = SCHEMES
+"""`CacheConfig.block_hash` values (`cache.block_hash.SCHEMES`)."""
 
 
 MAX_POOL_ENTRIES = 2**31 - 1
