@@ -70,3 +70,20 @@ def serve(trie: BlockTrie, tokens: list[int], namespace: str = "", extra: Any = 
 def frozen(snap: Snapshot) -> dict[str, Any]:
     """Everything in a snapshot that a failed or undone operation must leave as it was."""
     return {k: v for k, v in snap.items() if k not in ("event_blocks", "event_checkpoint_slots")}
+
+
+SMALL_WORKLOAD = ["--users", "6", "--turns", "2", "--system-tokens", "64", "--user-tokens", "16"]
+SMALL_WORKLOAD += ["--output-tokens", "12", "--tool-result-tokens", "24"]
+"""Flags for a built-in workload small enough for CLI tests."""
+
+
+def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """`blocktrie ARGV` in-process: (exit code, stdout, stderr); argparse exits included."""
+    from cache.planner.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -13,31 +13,16 @@ import pytest
 from cache.planner.cli import main
 from cache.planner.traces import load_mooncake
 from cache.planner.workload import SyntheticParams, count_prefix_hits, synthetic_workload
+from tests.helpers import SMALL_WORKLOAD, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_small.jsonl"
 TOKENS = FIXTURES / "tokens_small.jsonl"
-SMALL = [
-    "--users",
-    "6",
-    "--turns",
-    "2",
-    "--system-tokens",
-    "64",
-    "--user-tokens",
-    "16",
-    "--output-tokens",
-    "12",
-    "--tool-result-tokens",
-    "24",
-]
+SMALL = SMALL_WORKLOAD
 REQUIRED = ("requests", "prompt_tokens", "hit_tokens", "hit_rate", "evicted_blocks")
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:

@@ -19,23 +19,17 @@ import pytest
 from cache.planner import cli
 from cache.planner.cli import main
 from cache.planner.report import RUN_KEYS, TIMING_KEYS, WORKLOAD_KEYS, render_text
+from tests.helpers import SMALL_WORKLOAD, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_small.jsonl"
 TOKENS = FIXTURES / "tokens_small.jsonl"
 BAILIAN = FIXTURES / "bailian_small.jsonl"
-SMALL = ["--users", "6", "--turns", "2", "--system-tokens", "64", "--user-tokens", "16"]
-SMALL += ["--output-tokens", "12", "--tool-result-tokens", "24"]
+SMALL = SMALL_WORKLOAD
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def assert_error(code: int, out: str, err: str, expect: int, *words: str) -> None:

@@ -10,21 +10,14 @@ from typing import Any
 
 import pytest
 
-from cache.planner.cli import main
 from cache.planner.publish import replica_endpoints
 from cache.planner.report import FLEET_KEYS, FLEET_RESULT_KEYS, REPLICA_KEYS
+from tests.helpers import SMALL_WORKLOAD, run_cli
 
-SMALL = ["--users", "6", "--turns", "2", "--system-tokens", "64", "--user-tokens", "16"]
-SMALL += ["--output-tokens", "12", "--tool-result-tokens", "24"]
+SMALL = SMALL_WORKLOAD
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 @pytest.mark.parametrize(
