@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         SequenceNotLive,
     )
     from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+    from cache.keys import PackedTokens
     from cache.sequence import PinReceipt, RestorePoint, Sequence
     from cache.stats import CacheStats
     from cache.trie import BlockTrie
@@ -57,6 +58,7 @@ _HOME: dict[str, str] = {
         "cache.errors",
     ),
     **dict.fromkeys(("AllBlocksCleared", "BlockRemoved", "BlockStored", "Event"), "cache.events"),
+    "PackedTokens": "cache.keys",
     **dict.fromkeys(("PinReceipt", "RestorePoint", "Sequence"), "cache.sequence"),
     "CacheStats": "cache.stats",
     "BlockTrie": "cache.trie",
@@ -102,6 +104,7 @@ __all__ = [
     "ManualCopies",
     "OutOfBlocks",
     "OutOfStateSlots",
+    "PackedTokens",
     "PinError",
     "PinReceipt",
     "RestorePoint",

@@ -13,8 +13,15 @@ Two schemes (`CacheConfig.block_hash`):
 over this byte layout (all integers little-endian):
 
 - root: ``b"blocktrie-root\\x00" || enc(namespace)``
-- block: ``u64(parent) || u32(len(tokens)) || u64(token) for each token ||
-  (b"" if extra is None else enc(extra))``
+- block: the block's token ids as the trie keys them (``packed``, see
+  `cache.keys.pack_tokens`: ``u32(token)`` each when every token is below
+  ``2**32``, else ``u64(token)`` each followed by the byte ``0x08``), hashed
+  with the parent's hash as the XXH3 seed: ``xxh3_64(packed, seed=parent)``;
+  a block with an extra identity hashes ``u32(len(packed)) || packed ||
+  enc(extra)`` with ``seed=parent ^ EXTRA_SEED`` (``EXTRA_SEED =
+  0x9E3779B97F4A7C15``), so the two forms never share a seed. The trie
+  hashes the key bytes it already holds: one C call per block, no unpacking.
+  ``hash_seed`` enters through the root, and so through every chain.
 
 where ``enc`` is the canonical value encoding (see `encode_value`): ``None ->
 b"N"``; ``int`` (and ``bool``, as Python compares ``True == 1``) -> ``b"i" ||
@@ -47,14 +54,18 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, Protocol
 
+from cache.keys import pack_tokens, unpack_tokens
+
 __all__ = [
+    "EXTRA_SEED",
     "MASK64",
     "SCHEMES",
     "BlockHasher",
     "ChainFn",
+    "PackedChainFn",
     "cbor_canonical",
     "chain",
     "encode_value",
@@ -123,8 +134,21 @@ def _encode_into(value: object, out: bytearray) -> None:
         )
 
 
-_HEAD = struct.Struct("<QI")
-_U64 = next(code for code in "QL" if array(code).itemsize == 8)
+EXTRA_SEED = 0x9E3779B97F4A7C15
+"""XOR-ed into the seed of a block with an extra identity (scheme ``xxh3``)."""
+_U32_CODE = next(code for code in "ILH" if array(code).itemsize == 4)
+_U64_CODE = next(code for code in "QL" if array(code).itemsize == 8)
+
+
+def _little_endian(packed: bytes) -> bytes:  # pragma: no cover - big-endian hosts only
+    """`packed` (native byte order, as `pack_tokens` writes it) in little-endian order."""
+    if len(packed) % 4:
+        ids = array(_U64_CODE, packed[:-1])
+        ids.byteswap()
+        return ids.tobytes() + packed[-1:]
+    ids = array(_U32_CODE, packed)
+    ids.byteswap()
+    return ids.tobytes()
 
 
 # ------------------------------------------------------------ CBOR (vllm)
@@ -230,6 +254,14 @@ class ChainFn(Protocol):
     ) -> int: ...
 
 
+class PackedChainFn(Protocol):
+    """Signature of `BlockHasher.packed_fn`: `chain` over a block's packed key bytes."""
+
+    def __call__(
+        self, parent: int, packed: bytes, extra: Hashable = None, namespace: str = ""
+    ) -> int: ...
+
+
 class BlockHasher:
     """Computes root and block hashes for one (scheme, seed).
 
@@ -242,7 +274,7 @@ class BlockHasher:
     ``events`` extra) when ``xxhash`` is missing.
     """
 
-    __slots__ = ("_roots", "chain_fn", "scheme", "seed")
+    __slots__ = ("_roots", "chain_fn", "packed_fn", "plain_digest", "scheme", "seed")
 
     def __init__(self, scheme: str = "xxh3", seed: int = 0) -> None:
         if scheme not in SCHEMES:
@@ -252,8 +284,15 @@ class BlockHasher:
         self.scheme = scheme
         self.seed = seed
         self._roots: dict[str, int] = {}
-        self.chain_fn: ChainFn
-        """`chain` as a plain function (no method dispatch): for the commit hot path."""
+        self.plain_digest: Callable[[bytes, int], int] | None = None
+        """For scheme ``xxh3`` on little-endian hosts, the C function with
+        ``plain_digest(packed, parent) == packed_fn(parent, packed)`` for a block
+        without an extra identity (no Python frame per block); else None."""
+        self.packed_fn: PackedChainFn
+        """`chain` over the block's packed key bytes (`cache.keys.pack_tokens`),
+        as a plain function: what the trie calls per attached block. Trusts its
+        input (a parent that is a chain value, bytes `pack_tokens` made);
+        `chain_fn` checks both."""
         if scheme == "xxh3":
             try:
                 import xxhash
@@ -262,41 +301,56 @@ class BlockHasher:
                     "block_hash='xxh3' needs the xxhash package: pip install 'blocktrie[events]'"
                 ) from exc
             digest = xxhash.xxh3_64_intdigest
-            head = _HEAD.pack
+            length = _U32.pack
             swap = sys.byteorder != "little"
 
-            def xxh3_chain(
-                parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
+            def xxh3_packed(
+                parent: int, packed: bytes, extra: Hashable = None, namespace: str = ""
             ) -> int:
-                # The documented layout, built in two C calls: the header, then the
-                # token ids as one little-endian u64 array.
-                try:
-                    ids = array(_U64, tokens)
-                    data = head(parent, len(tokens))
-                except (struct.error, OverflowError, TypeError) as exc:
-                    raise ValueError(
-                        f"parent hash must be a u64 and token ids in [0, 2**64): {exc}"
-                    ) from None
                 if swap:  # pragma: no cover - big-endian hosts
-                    ids.byteswap()
-                data += ids.tobytes()
-                if extra is not None:
-                    data += encode_value(extra)
-                h: int = digest(data, seed)
+                    packed = _little_endian(packed)
+                if extra is None:
+                    h: int = digest(packed, parent)
+                else:
+                    data = length(len(packed)) + packed + encode_value(extra)
+                    h = digest(data, parent ^ EXTRA_SEED)
                 return h
 
-            self.chain_fn = xxh3_chain
+            self.packed_fn = xxh3_packed
+            if not swap:
+                self.plain_digest = digest
         else:
 
-            def vllm_chain(
-                parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
+            def vllm_packed(
+                parent: int, packed: bytes, extra: Hashable = None, namespace: str = ""
             ) -> int:
                 payload = cbor_canonical(
-                    (parent.to_bytes(32, "big"), tuple(tokens), extra_keys(extra, namespace))
+                    (
+                        parent.to_bytes(32, "big"),
+                        unpack_tokens(packed),
+                        extra_keys(extra, namespace),
+                    )
                 )
                 return int.from_bytes(hashlib.sha256(payload).digest(), "big")
 
-            self.chain_fn = vllm_chain
+            self.packed_fn = vllm_packed
+
+        packed_fn = self.packed_fn
+        parent_limit = MASK64 if scheme == "xxh3" else (1 << 256) - 1
+
+        def chain_fn(
+            parent: int, tokens: Sequence[int], extra: Hashable = None, namespace: str = ""
+        ) -> int:
+            if type(parent) is not int or not 0 <= parent <= parent_limit:
+                raise ValueError(f"parent hash must be a chain value of {scheme!r}, got {parent!r}")
+            try:
+                packed = pack_tokens(tokens)
+            except (OverflowError, TypeError) as exc:
+                raise ValueError(f"token ids must be ints in [0, 2**64): {exc}") from None
+            return packed_fn(parent, packed, extra, namespace)
+
+        self.chain_fn: ChainFn = chain_fn
+        """`chain` as a plain function (no method dispatch)."""
 
     def root(self, namespace: str = "") -> int:
         """The chain seed of `namespace` (cached per namespace)."""

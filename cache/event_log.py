@@ -8,8 +8,9 @@ are disabled every `emit_*` is a no-op and nothing accumulates.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from cache.events import (
@@ -22,9 +23,13 @@ from cache.events import (
     checkpoint_stored,
     replay,
 )
+from cache.keys import joined_tokens, key_packed
+
+_block_hash = attrgetter("block_hash")
+_block = attrgetter("block")
 
 if TYPE_CHECKING:
-    from cache.block_hash import BlockHasher, ChainFn
+    from cache.block_hash import BlockHasher, ChainFn, PackedChainFn
     from cache.node import Checkpoint, Node
 
 
@@ -41,8 +46,10 @@ class EventLog:
         "_drained_view",
         "_events",
         "chain",
+        "chain_packed",
         "enabled",
         "hasher",
+        "plain_digest",
     )
 
     def __init__(self, enabled: bool, scheme: str = "xxh3", seed: int = 0) -> None:
@@ -52,11 +59,15 @@ class EventLog:
         self._drained_checkpoints: set[int] = set()
         self.hasher: BlockHasher | None = None
         self.chain: ChainFn | None = None
+        self.chain_packed: PackedChainFn | None = None
+        self.plain_digest: Callable[[bytes, int], int] | None = None
         if enabled:
             from cache.block_hash import BlockHasher
 
             self.hasher = BlockHasher(scheme, seed)
             self.chain = self.hasher.chain_fn
+            self.chain_packed = self.hasher.packed_fn
+            self.plain_digest = self.hasher.plain_digest
 
     def root_hash(self, namespace: str) -> int:
         """The chain seed of `namespace` (0 with events off)."""
@@ -72,28 +83,38 @@ class EventLog:
         finally:
             self.enabled = enabled
 
-    def stored(self, nodes: Sequence[Node], block_size: int) -> None:
-        """One `BlockStored` for a chain of nodes attached by one commit, parent first."""
+    def stored(self, nodes: Sequence[Node], keys: Sequence[Hashable], block_size: int) -> None:
+        """One `BlockStored` for a chain of nodes attached by one commit, parent first.
+
+        `keys[i]` is `nodes[i].key` (the commit holds them already).
+        """
         if not self.enabled or not nodes:
             return
         parent = nodes[0].parent
         namespace = nodes[0].namespace
-        keys = None
-        if namespace or any(nd.extra is not None for nd in nodes):
+        try:  # a key is its packed bytes unless the block has an extra identity or
+            # a test injected a key hash (`cache.keys.block_key`)
+            token_ids = joined_tokens(keys, block_size)  # type: ignore[arg-type]
+            plain = True
+        except TypeError:
+            token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
+            plain = False
+        extras = None
+        if namespace or (not plain and any(nd.extra is not None for nd in nodes)):
             from cache.block_hash import extra_keys
 
-            keys = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+            extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
         self._events.append(
             BlockStored(
-                block_hashes=tuple(nd.block_hash for nd in nodes),
-                block_ids=tuple(nd.block for nd in nodes),
+                block_hashes=tuple(map(_block_hash, nodes)),
+                block_ids=tuple(map(_block, nodes)),
                 parent_block_hash=(
                     None if parent is None or parent.block < 0 else parent.block_hash
                 ),
-                token_ids=tuple(t for nd in nodes for t in nd.tokens),
+                token_ids=token_ids,  # type: ignore[arg-type]
                 block_size=block_size,
                 namespace=namespace,
-                extra_keys=keys,
+                extra_keys=extras,
             )
         )
 

@@ -14,7 +14,7 @@ The fields past the original ones carry what vLLM's wire schema needs
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 __all__ = [
@@ -53,8 +53,10 @@ class BlockStored(NamedTuple):
     """Blocks attached by one commit, parent first. `parent_block_hash` is None at a root.
 
     `token_ids` are the blocks' tokens concatenated (`block_size` each, except
-    a checkpoint's partial tail). `extra_keys`, when not None, holds one entry
-    per block: vLLM's extra keys of that block (a tuple, or None), as
+    a checkpoint's partial tail): a tuple, or for blocks whose ids all fit in
+    32 bits the trie's `cache.keys.PackedTokens` (the keys' bytes, read as
+    ints on demand; it equals and hashes like the tuple). `extra_keys`, when
+    not None, holds one entry per block: vLLM's extra keys of that block (a tuple, or None), as
     `cache.block_hash.extra_keys` builds them. `lora_id` is vLLM's deprecated
     integer adapter id, None unless an engine maps namespaces to ids.
     """
@@ -62,7 +64,7 @@ class BlockStored(NamedTuple):
     block_hashes: tuple[int, ...]
     block_ids: tuple[int, ...]
     parent_block_hash: int | None
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     block_size: int
     namespace: str
     medium: str = MEDIUM_GPU

@@ -22,9 +22,12 @@ differential test is only worth something if the two sides share no code.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Sequence
+from collections import abc
+from collections.abc import Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, overload
 
-from cache.config import KeyHash
+if TYPE_CHECKING:
+    from cache.config import KeyHash
 
 _U32 = next(code for code in "ILH" if array(code).itemsize == 4)
 _U64 = next(code for code in "QL" if array(code).itemsize == 8)
@@ -64,17 +67,92 @@ def block_key(packed: bytes, identity: Hashable, key_hash: KeyHash | None) -> Ha
     return key
 
 
-def key_tokens(key: Hashable) -> tuple[int, ...]:
-    """The token ids inside a key built by `block_key` (`()` for a root's `None`)."""
+def key_packed(key: Hashable) -> bytes:
+    """The packed token ids inside a key built by `block_key` (`b""` for a root's `None`)."""
+    if type(key) is bytes:
+        return key
     if key is None:
-        return ()
+        return b""
     if isinstance(key, HashedKey):
         key = key.inner
     if isinstance(key, tuple):  # (packed tokens, identity)
         key = key[0]
     if not isinstance(key, bytes):
         raise TypeError(f"not a block key: {key!r}")
-    return unpack_tokens(key)
+    return key
+
+
+def key_tokens(key: Hashable) -> tuple[int, ...]:
+    """The token ids inside a key built by `block_key` (`()` for a root's `None`)."""
+    return unpack_tokens(key_packed(key))
+
+
+def joined_tokens(packed: Sequence[bytes], block_size: int) -> PackedTokens | tuple[int, ...]:
+    """The token ids of several packed full blocks (`block_size` ids each), in order.
+
+    A `PackedTokens` over the joined bytes when every block is packed as
+    uint32 (the usual case: no int is made); else a tuple.
+    """
+    try:
+        joined = b"".join(packed)
+    except TypeError:
+        raise TypeError("joined_tokens takes packed block keys (bytes)") from None
+    if len(joined) == 4 * block_size * len(packed):  # a uint64 block is 8 * size + 1 bytes
+        return PackedTokens(joined)
+    return tuple(t for p in packed for t in unpack_tokens(p))
+
+
+class PackedTokens(abc.Sequence[int]):
+    """Token ids held as native uint32 bytes, read as an immutable sequence of ints.
+
+    What `BlockStored.token_ids` carries for blocks whose ids fit in 32 bits:
+    the commit joins the blocks' key bytes instead of making one `int` per
+    token, and `cache.kv_events` writes them to the wire straight from the
+    bytes. It compares equal to a tuple (or another `PackedTokens`) with the
+    same ids and hashes like that tuple, so it can stand where a tuple did.
+    """
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % 4:
+            raise ValueError(
+                f"packed uint32 token ids need a multiple of 4 bytes, got {len(packed)}"
+            )
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed) >> 2
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        ids = array(_U32, self.packed)
+        if isinstance(index, slice):
+            return tuple(ids[index])
+        return ids[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(array(_U32, self.packed))
+
+    def tolist(self) -> list[int]:
+        """The ids as a list, in one C pass."""
+        return array(_U32, self.packed).tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokens):
+            return self.packed == other.packed
+        if isinstance(other, tuple):
+            return tuple(self.tolist()) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.tolist()))
+
+    def __repr__(self) -> str:
+        return f"PackedTokens({tuple(self.tolist())!r})"
 
 
 def request_keys(

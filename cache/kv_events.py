@@ -31,19 +31,24 @@ its name; ``block_ids`` stay in process (a router has no use for them).
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
 from cache.block_hash import MASK64
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from cache.keys import PackedTokens
 
-__all__ = ["encode_batch", "to_wire_event"]
+_U32 = next(code for code in "ILH" if array(code).itemsize == 4)
+
+__all__ = ["encode_batch", "msgpack_uint_array", "to_wire_event"]
 
 
 class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
@@ -56,7 +61,7 @@ class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     medium: str | None
     group_idx: int | None = None
 
@@ -68,7 +73,7 @@ class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=Fa
 class _LegacyStored(
     msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True, gc=False
 ):
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
@@ -83,7 +88,7 @@ class _LegacyStored(
 class _LegacyRemoved(
     msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True, gc=False
 ):
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     medium: str | None
     group_idx: int | None = None
 
@@ -105,8 +110,64 @@ _CLEARED = _Cleared()
 _LEGACY_CLEARED = _LegacyCleared()
 
 
-def _hashes(hashes: Iterable[int]) -> list[int]:
+def _hashes(hashes: tuple[int, ...]) -> Sequence[int]:
+    """The published (low 64-bit) values; `xxh3` chain values already are."""
+    if not hashes or max(hashes) <= MASK64:
+        return hashes
     return [h & MASK64 for h in hashes]
+
+
+_NATIVE_LITTLE = sys.byteorder == "little"
+
+
+def msgpack_uint_array(packed: bytes) -> bytes:
+    """The msgpack array of the native-uint32 ids in `packed`, built from the bytes.
+
+    One width for the whole array, the smallest that holds its largest id:
+    positive fixint (< 128), uint 8, uint 16 or uint 32. Decoders read every
+    width as an int, so the decoded list equals that of encoding the ints one
+    by one; only ids below the array's width may take a byte or two more than
+    their own minimal form. No `int` is made per id.
+    """
+    ids = array(_U32, packed)
+    n = len(ids)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 0x10000:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    if _NATIVE_LITTLE:
+        ids.byteswap()
+    big = ids.tobytes()  # big-endian u32 per id; byte k of each id is big[k::4]
+    # Strided slices and compares run in C: no per-id Python object.
+    zeros = bytes(n)
+    if big[0::4] != zeros or big[1::4] != zeros:  # some id >= 2**16
+        out = bytearray(5 * n)
+        out[0::5] = b"\xce" * n
+        for k in range(4):
+            out[1 + k :: 5] = big[k::4]
+        return head + out
+    low = big[3::4]
+    mid = big[2::4]
+    if mid != zeros:  # some id >= 2**8
+        out = bytearray(3 * n)
+        out[0::3] = b"\xcd" * n
+        out[1::3] = mid
+        out[2::3] = low
+        return head + out
+    if low.isascii():  # every id < 128: positive fixints, one byte each
+        return head + low
+    out = bytearray(2 * n)
+    out[0::2] = b"\xcc" * n
+    out[1::2] = low
+    return head + out
+
+
+def _token_ids(tokens: Sequence[int]) -> object:
+    if isinstance(tokens, PackedTokens):
+        return msgspec.Raw(msgpack_uint_array(tokens.packed))
+    return tokens
 
 
 def to_wire_event(event: Event, *, legacy: bool = False) -> object:
@@ -118,7 +179,7 @@ def to_wire_event(event: Event, *, legacy: bool = False) -> object:
         return stored(
             _hashes(event.block_hashes),
             None if parent is None else parent & MASK64,
-            event.token_ids,  # type: ignore[arg-type]  # a tuple encodes as an array
+            _token_ids(event.token_ids),  # type: ignore[arg-type]  # Raw or a tuple: an array
             event.block_size,
             event.lora_id,
             event.medium,

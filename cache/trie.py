@@ -43,7 +43,7 @@ from cache.event_log import EventLog
 from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
-from cache.keys import block_identity, key_tokens, request_keys
+from cache.keys import block_identity, key_packed, request_keys
 from cache.kv_pool import KVBlockPool
 from cache.node import Checkpoint, Node
 from cache.sequence import PinReceipt, RestorePoint, Sequence
@@ -122,7 +122,8 @@ class BlockTrie:
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
         self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
-        self._chain = self._events.chain
+        self._chain = self._events.chain_packed
+        self._plain_digest = self._events.plain_digest
         self._checkpoints = CheckpointStore(
             self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
@@ -401,7 +402,9 @@ class BlockTrie:
                     stored.append(child)
                 path.append(child)
                 parent = child
-            self._events.stored(stored, size)
+            # Once a block is attached every later one is new too (its parent has
+            # no children yet), so the stored nodes are the last of `keys`.
+            self._events.stored(stored, keys[full - len(stored) : full], size)
             seq.num_committed_tokens = n
         finally:
             self._gate.release()
@@ -410,11 +413,12 @@ class BlockTrie:
         self._kv.incref(block)
         self._node_serial += 1
         chain = self._chain
-        block_hash = (
-            0
-            if chain is None
-            else chain(parent.block_hash, key_tokens(key), extra, parent.namespace)
-        )
+        if chain is None:
+            block_hash = 0
+        elif type(key) is bytes and self._plain_digest is not None:  # a plain block
+            block_hash = self._plain_digest(key, parent.block_hash)
+        else:
+            block_hash = chain(parent.block_hash, key_packed(key), extra, parent.namespace)
         node = Node.child_of(
             parent,
             key=key,

@@ -81,13 +81,21 @@ def test_xxh3_layout_is_the_documented_one() -> None:
     assert root == xxhash.xxh3_64_intdigest(
         b"blocktrie-root\x00" + b"s" + struct.pack("<I", 2) + b"ns", seed
     )
+    # a block with a token past 2**32 and an extra identity: u64 ids + 0x08,
+    # length-prefixed, extra appended, seed = parent ^ EXTRA_SEED
     toks = [5, 2**63 + 1, 2**40]
     got = chain(root, toks, ("a", 7), seed=seed)
-    data = struct.pack("<QI3Q", root, 3, *toks)
+    packed = struct.pack("<3Q", *toks) + b"\x08"
+    data = struct.pack("<I", len(packed)) + packed
     data += b"t" + struct.pack("<I", 2)
     data += b"s" + struct.pack("<I", 1) + b"a"
     data += b"i" + struct.pack("<I", 1) + bytes([7])
-    assert got == xxhash.xxh3_64_intdigest(data, seed)
+    assert got == xxhash.xxh3_64_intdigest(data, root ^ 0x9E3779B97F4A7C15)
+    # a plain block whose ids fit in 32 bits: u32 ids, seeded by the parent
+    plain = chain(got, [1, 2, 2**32 - 1], seed=seed)
+    assert plain == xxhash.xxh3_64_intdigest(struct.pack("<3I", 1, 2, 2**32 - 1), got)
+    # the seed reaches every block through the root
+    assert chain(root_hash("ns", seed + 1), [1, 2], seed=seed + 1) != chain(root, [1, 2], seed=seed)
 
 
 def test_chain_depends_on_every_input() -> None:
@@ -152,8 +160,12 @@ def test_bad_arguments() -> None:
         BlockHasher("xxh3", -1)
     with pytest.raises(ValueError, match="hash_seed"):
         BlockHasher("xxh3", 2**64)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="parent hash"):
         BlockHasher("xxh3").chain(2**64, [1])
+    with pytest.raises(ValueError, match="parent hash"):
+        BlockHasher("vllm").chain(-1, [1])
+    with pytest.raises(ValueError, match="token ids"):
+        BlockHasher("xxh3").chain(0, [-1])
     with pytest.raises(ValueError, match="token ids"):
         BlockHasher("xxh3").chain(0, [2**64])
     with pytest.raises(ValueError, match="Unicode"):

@@ -7,10 +7,20 @@ uint64, and check that the encoding never decides identity wrongly.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache.keys import HashedKey, block_key, key_tokens, pack_tokens, request_keys, unpack_tokens
+from cache.keys import (
+    HashedKey,
+    PackedTokens,
+    block_key,
+    joined_tokens,
+    key_tokens,
+    pack_tokens,
+    request_keys,
+    unpack_tokens,
+)
 from tests.helpers import kv_trie, serve
 
 EDGES = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
@@ -81,3 +91,29 @@ def test_key_hash_hook_sees_token_tuples() -> None:
     assert block_key(packed, None, hook) == HashedKey(packed, 0)
     assert block_key(packed, "img", hook) == HashedKey((packed, "img"), 0)
     assert seen == [(7, 2**40), ((7, 2**40), "img")]
+
+
+@given(st.lists(BLOCK, min_size=1, max_size=5), st.integers(0, 2))
+def test_joined_tokens_concatenate_the_blocks(blocks: list[list[int]], size_shift: int) -> None:
+    """`joined_tokens` gives every block's ids in order: packed (no ints made) when all
+    fit in 32 bits, a tuple otherwise; equal to the tuple either way."""
+    size = 3 + size_shift
+    blocks = [(b * size)[:size] for b in blocks]  # full blocks of `size` ids
+    flat = tuple(t for b in blocks for t in b)
+    got = joined_tokens([pack_tokens(b) for b in blocks], size)
+    assert got == flat and flat == got and tuple(got) == flat and list(got) == list(flat)
+    assert len(got) == len(flat) and hash(got) == hash(flat)
+    assert isinstance(got, PackedTokens) == (max(flat) < 2**32)
+    if isinstance(got, PackedTokens):
+        assert got.tolist() == list(flat)
+        assert got[0] == flat[0] and got[-1] == flat[-1] and got[1:3] == flat[1:3]
+        assert got == PackedTokens(got.packed) and got != PackedTokens(got.packed + bytes(4))
+        assert repr(got) == f"PackedTokens({flat!r})"
+        assert got != list(flat)  # like a tuple: never equal to a list
+
+
+def test_packed_tokens_refuse_bad_input() -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        PackedTokens(b"\x01\x02\x03")
+    with pytest.raises(TypeError, match="packed block keys"):
+        joined_tokens([b"\x00" * 4, (b"\x00" * 4, "img")], 1)  # type: ignore[list-item]

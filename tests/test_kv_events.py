@@ -239,3 +239,47 @@ def test_defaults_and_bad_input() -> None:
     bad = BlockStored((1,), (1,), None, (1,), 1, "", extra_keys=((object(),),))
     with pytest.raises(TypeError, match="cannot encode"):
         encode_batch([bad])
+
+
+UINT32_EDGES = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1]
+
+
+@pytest.mark.parametrize("top", UINT32_EDGES)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 65_535, 65_536])
+def test_uint_array_from_packed_bytes_decodes_to_the_ids(top: int, n: int) -> None:
+    """`msgpack_uint_array` writes the ids straight from their packed bytes; any
+    msgpack decoder reads back exactly the ids (every width, every header)."""
+    from array import array
+
+    from cache.kv_events import msgpack_uint_array
+
+    ids = [(i * 7919) % (top + 1) for i in range(n)]
+    if n:
+        ids[n // 2] = top  # the largest id decides the width
+    code = next(c for c in "ILH" if array(c).itemsize == 4)
+    raw = msgpack_uint_array(array(code, ids).tobytes())
+    assert msgspec.msgpack.decode(raw) == ids
+    minimal = msgspec.msgpack.encode(ids)
+    assert len(raw) <= len(minimal) + 4 * n  # at most the width's extra bytes per id
+
+
+def test_trie_events_encode_the_same_ids_as_tuples_would() -> None:
+    """A trie's `BlockStored` carries packed ids (no int per token); on the wire they
+    decode exactly as the tuple form does, narrow and wide (>= 2**32) blocks alike."""
+    from cache import BlockTrie, CacheConfig
+    from cache.keys import PackedTokens
+
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, enable_events=True))
+    for tokens in ([1, 70_000, 3, 4], [9, 2**40, 5, 6]):
+        seq = trie.match(tokens)
+        trie.allocate(seq, len(tokens))
+        trie.commit(seq, len(tokens))
+        trie.release(seq)
+    stored = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    assert [type(e.token_ids) for e in stored] == [PackedTokens, tuple]
+    assert [tuple(e.token_ids) for e in stored] == [(1, 70_000, 3, 4), (9, 2**40, 5, 6)]
+    as_tuples = [e._replace(token_ids=tuple(e.token_ids)) for e in stored]
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+    got, want = decode(encode_batch(stored, ts=1.0)), decode(encode_batch(as_tuples, ts=1.0))
+    assert got == want
+    assert [e.token_ids for e in got.events] == [[1, 70_000, 3, 4], [9, 2**40, 5, 6]]
