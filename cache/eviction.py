@@ -205,7 +205,7 @@ class Evictor:
                 # Would the parent be evictable once all counted children are gone?
                 after = implied_node_state(
                     attached=True,
-                    leaf=seen == len(parent.children),
+                    leaf=seen == parent.child_count(),
                     block_refs=refs[parent.block],
                     pins=pck.pins if pck is not None else 0,
                 )

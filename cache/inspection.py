@@ -21,18 +21,18 @@ def snapshot(trie: BlockTrie) -> Snapshot:
     """The whole of `trie` as plain data (ids as in [R43])."""
     nodes: dict[int, NodeView] = {}
     checkpoints: dict[int, CheckpointView] = {}
-    stack: list[Node] = list(trie._roots.values())
+    stack: list[tuple[Node, int]] = [(root, 0) for root in trie._roots.values()]
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
         nid = node.serial
         ck = node.checkpoint
         nodes[nid] = {
             "namespace": node.namespace,
             "parent": None if node.parent is None else node.parent.serial,
-            "depth": node.depth,
+            "depth": depth,
             "key": None if node.block < 0 else (node.tokens, node.extra),
             "block": None if node.block < 0 else node.block,
-            "children": [c.serial for c in node.children.values()],
+            "children": [c.serial for c in node.child_nodes()],
             "state": node.state,
             "tick": node.tick,
             "serial": node.serial,
@@ -51,7 +51,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
                 "tick": ck.tick,
                 "serial": ck.serial,
             }
-        stack.extend(node.children.values())
+        stack.extend((child, depth + 1) for child in node.child_nodes())
     sequences: dict[int, SequenceView] = {}
     for sid, seq in trie._live.items():
         sequences[sid] = {

@@ -45,10 +45,15 @@ class Node:
     unpacks them. `state` is the stored
     lifecycle state (`spec.lifecycle.NodeState` values; `ROOT` for roots).
     `tick`/`serial` order eviction; `block_hash` is the chained hash that
-    events carry. `children` is `NO_CHILDREN` (shared, read-only) while the
-    node has none: whoever adds the first child gives the node its own dict,
-    and whoever removes the last one puts `NO_CHILDREN` back (`attach_child`,
-    `detach_child`). Built by keyword only.
+    events carry. Built by keyword only.
+
+    `children` has three shapes, kept by `attach_child` / `detach_child`
+    only: `NO_CHILDREN` (shared, read-only, falsy) for a leaf; **the child
+    itself** for a node with exactly one child (the chain links that make up
+    most of a trie: no dict, about 220 bytes less per block); a dict from key
+    to child for two or more. Read it through `child`, `child_nodes` and
+    `child_count`, or, on a hot path, as `child` does. A node's depth is not
+    stored: `cache.inspection` counts it while it walks from the roots.
     """
 
     __slots__ = (
@@ -56,7 +61,6 @@ class Node:
         "block_hash",
         "checkpoint",
         "children",
-        "depth",
         "extra",
         "key",
         "namespace",
@@ -74,7 +78,6 @@ class Node:
         extra: Hashable,
         block: int,
         namespace: str,
-        depth: int,
         serial: int,
         tick: int,
         block_hash: int,
@@ -85,12 +88,11 @@ class Node:
         self.extra = extra
         self.block = block
         self.namespace = namespace
-        self.depth = depth
         self.serial = serial
         self.tick = tick
         self.block_hash = block_hash
         self.state = state
-        self.children: dict[Hashable, Node] = NO_CHILDREN
+        self.children: Node | dict[Hashable, Node] = NO_CHILDREN
         self.checkpoint: Checkpoint | None = None
 
     @classmethod
@@ -106,12 +108,12 @@ class Node:
         block_hash: int,
         state: str,
     ) -> Node:
-        """A new node under `parent` (its namespace, one level deeper), not yet linked in.
+        """A new node under `parent` (in its namespace), not yet linked in.
 
         The same record as the keyword constructor builds, for the commit hot
-        path: it derives namespace and depth from `parent` and skips
-        `__init__`, which together cost about twice this call. Keyword-only,
-        like the constructor: four of its arguments are ints.
+        path: it takes the namespace from `parent` and skips `__init__`, which
+        together cost about twice this call. Keyword-only, like the
+        constructor: four of its arguments are ints.
         """
         node = cls.__new__(cls)
         node.parent = parent
@@ -119,7 +121,6 @@ class Node:
         node.extra = extra
         node.block = block
         node.namespace = parent.namespace
-        node.depth = parent.depth + 1
         node.serial = serial
         node.tick = tick
         node.block_hash = block_hash
@@ -133,25 +134,58 @@ class Node:
         """The block's token ids, unpacked from `key` (`()` for a root)."""
         return key_tokens(self.key)
 
+    def child(self, key: Hashable) -> Node | None:
+        """The child under `key`, or None (the lookup `match` and `commit` inline)."""
+        children = self.children
+        if type(children) is Node:
+            k = children.key
+            return children if k is key or k == key else None
+        return children.get(key)  # type: ignore[union-attr]
+
+    def child_nodes(self) -> list[Node]:
+        """The children, in the order they were attached."""
+        children = self.children
+        if type(children) is Node:
+            return [children]
+        return list(children.values())  # type: ignore[union-attr]
+
+    def child_count(self) -> int:
+        """How many children the node has."""
+        children = self.children
+        return 1 if type(children) is Node else len(children)  # type: ignore[arg-type]
+
     def attach_child(self, key: Hashable, child: Node) -> None:
-        """Make `child` this node's child under `key` (its own dict on the first child)."""
+        """Make `child` (whose `key` is `key`) this node's child.
+
+        A first child is held directly; a second one gives the node a dict.
+        """
         children = self.children
         if children is NO_CHILDREN:
-            children = self.children = {}
-        children[key] = child
+            self.children = child
+        elif type(children) is Node:
+            self.children = {children.key: children, key: child}
+        else:
+            children[key] = child  # type: ignore[index]
 
     def detach_child(self, key: Hashable) -> None:
-        """Remove the child under `key` (`KeyError` if absent); the last one frees the dict."""
+        """Remove the child under `key` (`KeyError` if absent).
+
+        The last one puts `NO_CHILDREN` back; a dict left with one child gives
+        way to the child itself.
+        """
         children = self.children
-        del children[key]
-        if not children:
+        if type(children) is Node:
+            k = children.key
+            if not (k is key or k == key):
+                raise KeyError(key)
             self.children = NO_CHILDREN
+            return
+        del children[key]  # type: ignore[union-attr]
+        if len(children) == 1:  # type: ignore[arg-type]
+            (self.children,) = children.values()  # type: ignore[union-attr]
 
     def __repr__(self) -> str:
-        return (
-            f"<Node #{self.serial} ns={self.namespace!r} depth={self.depth} "
-            f"block={self.block} {self.state}>"
-        )
+        return f"<Node #{self.serial} ns={self.namespace!r} block={self.block} {self.state}>"
 
 
 class Checkpoint:

@@ -228,7 +228,6 @@ class BlockTrie:
                 extra=None,
                 block=-1,  # roots own no block; `block < 0` marks a root everywhere
                 namespace=namespace,
-                depth=0,
                 serial=-1 - len(self._roots),
                 tick=0,
                 block_hash=self._events.root_hash(namespace),
@@ -265,7 +264,11 @@ class BlockTrie:
             if root is not None:  # [R12]: walk while a child with the exact key exists
                 node = root
                 for key in keys:
-                    child = node.children.get(key)
+                    children = node.children  # `Node.child`, inlined
+                    if type(children) is Node:
+                        child = children if children.key == key else None
+                    else:
+                        child = children.get(key)  # type: ignore[union-attr]
                     if child is None:
                         break
                     path.append(child)
@@ -388,7 +391,11 @@ class BlockTrie:
             stored: list[Node] = []
             for i in range(start, full):
                 key = keys[i]
-                child = parent.children.get(key)
+                children = parent.children  # `Node.child`, inlined
+                if type(children) is Node:
+                    child = children if children.key == key else None
+                else:
+                    child = children.get(key)  # type: ignore[union-attr]
                 if child is not None:  # [R18]
                     own = seq.blocks[i]
                     kv.incref(child.block)

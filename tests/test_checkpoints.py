@@ -63,7 +63,7 @@ def test_evicting_a_pinned_node_is_an_illegal_transition() -> None:
     seq = _prefill(trie, [1, 1, 1, 1, 9])
     trie.save(seq, 4, state(1.0))
     trie.release(seq)
-    node = next(iter(trie._roots[""].children.values()))
+    node = trie._roots[""].child_nodes()[0]
     with pytest.raises(IllegalTransition):
         trie._evictor._free(node)  # what lmdeploy's eviction did
     trie.check()

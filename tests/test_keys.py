@@ -74,7 +74,7 @@ def test_cached_blocks_keep_no_caller_ints() -> None:
     trie = kv_trie(num_blocks=8, block_size=2)
     serve(trie, [1000, 2000, 3000, 4000, 1])
     root = trie._roots[""]
-    child = next(iter(root.children.values()))
+    child = root.child_nodes()[0]
     assert isinstance(child.key, bytes)
     assert child.tokens == (1000, 2000)
 
