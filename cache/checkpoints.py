@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Hashable
 
 from cache.event_log import EventLog
@@ -87,7 +88,7 @@ class CheckpointStore:
     def deepest_match(
         root: Node,
         path: list[Node],
-        tokens: list[int],
+        tokens: array[int],
         extra: tuple[Hashable, ...] | None,
         max_depth: int,
         block_size: int,

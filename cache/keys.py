@@ -156,7 +156,7 @@ class PackedTokens(abc.Sequence[int]):
 
 
 def request_keys(
-    tokens: list[int],
+    tokens: array[int],
     extra: tuple[Hashable, ...] | None,
     block_size: int,
     key_hash: KeyHash | None,
@@ -164,19 +164,21 @@ def request_keys(
     stop: int,
 ) -> list[Hashable]:
     """Keys of blocks `start .. stop-1` of a request, built once and carried
-    from `match` to `commit` (the keys are also what attached nodes keep)."""
+    from `match` to `commit` (the keys are also what attached nodes keep).
+
+    `tokens` is the validated array `cache.validation.token_list` returns.
+    """
     size = block_size
     count = stop - start
     if count <= 0:
         return []
     span = tokens[start * size : stop * size]
-    try:  # one C pass packs every block (the usual case: every id fits in 32 bits)
-        buf = array(_U32, span).tobytes()
-    except OverflowError:
-        packed = [pack_tokens(span[j * size : (j + 1) * size]) for j in range(count)]
-    else:
+    if span.typecode == _U32:  # the usual case: the array's bytes are the keys
+        buf = span.tobytes()
         width = 4 * size
         packed = [buf[j * width : (j + 1) * width] for j in range(count)]
+    else:  # some id needs 64 bits: each block packs by its own ids
+        packed = [pack_tokens(span[j * size : (j + 1) * size]) for j in range(count)]
     if extra is None and key_hash is None:
         return packed  # type: ignore[return-value]
     return [block_key(p, block_identity(extra, start + j), key_hash) for j, p in enumerate(packed)]

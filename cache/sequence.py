@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,8 @@ class Sequence:
 
     Read-only to users; every change goes through the `BlockTrie` that made it.
 
-    - `tokens`: the token ids so far (prompt, then appended decode tokens).
+    - `tokens`: the token ids so far (prompt, then appended decode tokens);
+      the trie keeps them in `token_list`, a uint32 or uint64 `array`.
     - `num_cached_tokens`: how many leading tokens the match served.
     - `block_ids`: the block table; covers the first `len(block_ids) * B` tokens.
     - `restore`: None, or the `RestorePoint` to restore SSM state from.
@@ -94,7 +96,7 @@ class Sequence:
         self,
         owner: object,
         serial: int,
-        tokens: list[int],
+        tokens: array[int],
         namespace: str,
         extra: tuple[Hashable, ...] | None,
     ) -> None:

@@ -50,7 +50,7 @@ from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
 from cache.transfers import Transfers
-from cache.validation import TokenIds, extra_tuple, int_arg, token_list
+from cache.validation import TokenIds, extend_tokens, extra_tuple, int_arg, token_list
 from spec.errors import (
     CacheError,
     CheckpointError,
@@ -320,7 +320,7 @@ class BlockTrie:
             raise self._concurrent_use("append()")
         try:
             self._check_live(seq)
-            seq.token_list.extend(token_list(tokens))
+            seq.token_list = extend_tokens(seq.token_list, token_list(tokens))
         finally:
             self._gate.release()
 

@@ -21,6 +21,7 @@ from cache.keys import (
     request_keys,
     unpack_tokens,
 )
+from cache.validation import token_list
 from tests.helpers import kv_trie, serve
 
 EDGES = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
@@ -49,11 +50,12 @@ def test_request_keys_pack_each_block_alone(tokens: list[int], size: int) -> Non
     """A request's keys equal its blocks packed one by one, whatever its other blocks hold
     (a wide token elsewhere must not change how a narrow block is packed)."""
     n = len(tokens) // size
-    keys = request_keys(tokens, None, size, None, 0, n)
+    validated = token_list(tokens)  # what match hands request_keys: uint32 or uint64
+    keys = request_keys(validated, None, size, None, 0, n)
     assert keys == [pack_tokens(tokens[i * size : (i + 1) * size]) for i in range(n)]
-    assert request_keys(tokens, None, size, None, 1, n) == keys[1:]
+    assert request_keys(validated, None, size, None, 1, n) == keys[1:]
     extra = tuple(["img"] * n)
-    keyed = request_keys(tokens, extra, size, None, 0, n)
+    keyed = request_keys(validated, extra, size, None, 0, n)
     assert keyed == [block_key(k, "img", None) for k in keys]
 
 
