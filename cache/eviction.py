@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 _EVICTABLE = NodeState.EVICTABLE.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
 
+_FREED_FROM: dict[str, str] = {
+    state: dest for (trigger, state), dest in NODE.table.items() if trigger == _FREE
+}
+"""The `NODE` table's `free` row: state -> state after `free` (only `evictable` has one)."""
+
 _SETTLED: dict[tuple[str, bool, int, int], str] = {}
 """(stored state, leaf, block refs, pins) -> the state `settle` moves an attached node to.
 
@@ -130,7 +135,9 @@ class Evictor:
 
     def _free(self, node: Node) -> int:
         """Detach an evictable leaf and release its block and checkpoint."""
-        freed_state = NODE.step(_FREE, node.state, node)
+        freed_state = _FREED_FROM.get(node.state)
+        if freed_state is None:  # the spec's IllegalTransition, naming the node
+            freed_state = NODE.step(_FREE, node.state, node)
         self.index.remove(node)
         freed = 0
         ck = node.checkpoint

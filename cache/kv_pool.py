@@ -78,6 +78,32 @@ class KVBlockPool:
             return True
         return False
 
+    def incref_all(self, blocks: list[int]) -> None:
+        """`incref` each of `blocks`, in one call; all or nothing."""
+        refs = self.refs
+        for i, block in enumerate(blocks):
+            if refs[block] <= 0:
+                for done in blocks[:i]:
+                    refs[done] -= 1
+                raise CacheError(f"KV pool: block {block} is free; cannot take a reference to it")
+            refs[block] += 1
+
+    def decref_all(self, blocks: list[int]) -> None:
+        """`decref` each of `blocks`, in one call; all or nothing."""
+        refs = self.refs
+        free = self._free
+        for i, block in enumerate(blocks):
+            count = refs[block]
+            if count <= 0:
+                for done in reversed(blocks[:i]):
+                    if refs[done] == 0:
+                        free.pop()  # it was the last block appended
+                    refs[done] += 1
+                raise CacheError(f"KV pool: block {block} is already free (double free)")
+            refs[block] = count - 1
+            if count == 1:
+                free.append(block)
+
     def view(self, block: int) -> torch.Tensor | None:
         """The storage of one block (None for an ids-only pool)."""
         return None if self.tensor is None else self.tensor[block]

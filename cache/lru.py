@@ -24,11 +24,12 @@ class LRUIndex(Generic[T]):
     ticks go oldest-created first). An object's `tick` must not change while it
     is in the index (remove, change, add).
 
-    Layout: a bucket per tick (a list kept in serial order; one object in
-    practice, since a tick touches one root-to-leaf chain and only its deepest
-    node can be a leaf) and a C `heapq` of plain int ticks with lazy deletion:
-    a tick whose bucket emptied is skipped when it reaches the top, and the
-    heap is rebuilt when stale ticks outnumber live ones. `add`, `remove` and
+    Layout: a bucket per tick, holding the object itself when it is the
+    tick's only member (the usual case: a tick touches one root-to-leaf chain
+    and only its deepest node can be a leaf) and a list kept in serial order
+    otherwise; and a C `heapq` of plain int ticks with lazy deletion: a tick
+    whose bucket emptied is skipped when it reaches the top, and the heap is
+    rebuilt when stale ticks outnumber live ones. `add`, `remove` and
     `oldest` are O(log n) amortized with integer comparisons only; ordered
     iteration sorts, and is meant for inspection.
     """
@@ -36,7 +37,7 @@ class LRUIndex(Generic[T]):
     __slots__ = ("_buckets", "_size", "_ticks")
 
     def __init__(self) -> None:
-        self._buckets: dict[int, list[T]] = {}
+        self._buckets: dict[int, T | list[T]] = {}
         self._ticks: list[int] = []  # a heap; may hold stale or repeated ticks
         self._size = 0
 
@@ -48,42 +49,54 @@ class LRUIndex(Generic[T]):
 
     def __contains__(self, obj: T) -> bool:
         bucket = self._buckets.get(obj.tick)
-        return bucket is not None and any(o is obj for o in bucket)
+        if type(bucket) is list:
+            return any(o is obj for o in bucket)
+        return bucket is obj
 
     def __iter__(self) -> Iterator[T]:
         """Members, oldest first."""
         for tick in sorted(self._buckets):
-            yield from self._buckets[tick]
+            yield from _members(self._buckets[tick])
 
     def unordered(self) -> Iterator[T]:
         """Members in no particular order (cheap)."""
         for bucket in self._buckets.values():
-            yield from bucket
+            yield from _members(bucket)
 
     def add(self, obj: T) -> None:
         """Insert `obj` (must not be present)."""
         tick = obj.tick
-        bucket = self._buckets.get(tick)
+        buckets = self._buckets
+        bucket = buckets.get(tick)
         if bucket is None:
-            self._buckets[tick] = [obj]
-            heapq.heappush(self._ticks, tick)
-            if len(self._ticks) > 2 * len(self._buckets) + 64:
-                self._ticks = list(self._buckets)
+            buckets[tick] = obj
+            ticks = self._ticks
+            heapq.heappush(ticks, tick)
+            if len(ticks) > 2 * len(buckets) + 64:
+                self._ticks = list(buckets)
                 heapq.heapify(self._ticks)
-        else:
+        elif type(bucket) is list:
             bisect.insort(bucket, obj, key=_serial)
+        else:
+            buckets[tick] = sorted((bucket, obj), key=_serial)  # type: ignore[arg-type]
         self._size += 1
 
     def remove(self, obj: T) -> None:
-        """Remove `obj` (must be present)."""
+        """Remove `obj`; `KeyError` when it is not a member."""
         tick = obj.tick
-        bucket = self._buckets[tick]
-        if len(bucket) == 1:
-            if bucket[0] is not obj:
-                raise KeyError(obj)
-            del self._buckets[tick]
+        buckets = self._buckets
+        bucket = buckets[tick]
+        if bucket is obj:
+            del buckets[tick]
+        elif type(bucket) is list:
+            try:
+                bucket.remove(obj)
+            except ValueError:
+                raise KeyError(obj) from None
+            if len(bucket) == 1:
+                buckets[tick] = bucket[0]
         else:
-            bucket.remove(obj)
+            raise KeyError(obj)
         self._size -= 1
 
     def oldest(self) -> T:
@@ -93,8 +106,12 @@ class LRUIndex(Generic[T]):
         while True:
             bucket = buckets.get(ticks[0])
             if bucket is not None:
-                return bucket[0]
+                return bucket[0] if type(bucket) is list else bucket  # type: ignore[return-value]
             heapq.heappop(ticks)
+
+
+def _members(bucket: T | list[T]) -> list[T]:
+    return bucket if type(bucket) is list else [bucket]  # type: ignore[list-item]
 
 
 def _serial(obj: _Ordered) -> int:

@@ -289,13 +289,13 @@ class BlockTrie:
             seq.keys = keys
             seq.branch_step = len(path) * size
             held = path[:depth]
-            kv = self._kv
+            blocks = [node.block for node in held]
+            self._kv.incref_all(blocks)
             for node in held:
-                kv.incref(node.block)
                 if node.state == _EVICTABLE:
                     self._evictor.settle(node)
             seq.path = held
-            seq.blocks = [node.block for node in held]
+            seq.blocks = blocks
             if ck is not None:
                 seq.match_receipt = self._checkpoints.pin(ck)
                 seq.restore = RestorePoint(ck)
@@ -486,9 +486,7 @@ class BlockTrie:
         if seq.match_receipt is not None:
             self._checkpoints.unpin(seq.match_receipt)
             seq.match_receipt = None
-        kv = self._kv
-        for block in seq.blocks:
-            kv.decref(block)
+        self._kv.decref_all(seq.blocks)
         if seq.path:
             # Every other path node has a child (the next one), so it stays
             # `cached` or `pinned`; only the deepest can have become a leaf

@@ -444,3 +444,28 @@ def test_arm_defaults_to_the_next_allocation_point() -> None:
     faults.check("kv.take")
     with pytest.raises(ValueError, match=r"^after must be >= 0, got -1$"):
         faults.arm(after=-1)
+
+
+def test_kv_pool_batch_references_are_all_or_nothing() -> None:
+    """`incref_all` / `decref_all` (the match and release paths) change every count or
+    none: a free block anywhere in the batch leaves counts and free list as they were."""
+    pool = _pool(5)
+    a, b, c = pool.take(3)
+    pool.incref_all([a, b, c])
+    assert pool.refs[:3] == [2, 2, 2]
+    pool.decref_all([a, b])
+    assert pool.refs[:3] == [1, 1, 2] and pool.free_ids() == [4, 3]
+    pool.decref_all([a])
+    assert pool.refs[a] == 0 and pool.free_ids() == [4, 3, a]
+    before_refs, before_free = list(pool.refs), pool.free_ids()
+    with pytest.raises(CacheError, match=rf"^KV pool: block {a} is free; cannot take a"):
+        pool.incref_all([b, c, a])
+    assert pool.refs == before_refs and pool.free_ids() == before_free
+    with pytest.raises(CacheError, match=rf"^KV pool: block {a} is already free \(double free\)"):
+        pool.decref_all([b, c, a])  # b reaches 0 (freed) before the failure: undone
+    assert pool.refs == before_refs and pool.free_ids() == before_free
+    pool.incref(c)  # c: 3
+    with pytest.raises(CacheError, match=r"double free"):
+        pool.decref_all([c, c, c, c])  # the fourth drives it below zero
+    assert pool.refs == [*before_refs[:2], 3, *before_refs[3:]]
+    assert pool.free_ids() == before_free
