@@ -34,6 +34,12 @@ from spec.lifecycle import NODE, CheckpointTrigger, NodeState, NodeTrigger, impl
 if TYPE_CHECKING:
     from cache.checkpoints import CheckpointStore
 
+
+def _older(a: Node, b: Node) -> bool:
+    """Whether `a` comes before `b` in eviction order, `(tick, serial)` ([R10])."""
+    return a.tick < b.tick or (a.tick == b.tick and a.serial < b.serial)
+
+
 _EVICTABLE = NodeState.EVICTABLE.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
 
@@ -91,16 +97,23 @@ class Evictor:
         """Move `node` to the state its facts imply, through the spec's routes."""
         if node.block < 0:
             return  # a root: always `root`
+        dest = self._implied(node)
+        if dest != node.state:
+            self._enter(node, dest)
+
+    def _implied(self, node: Node) -> str:
+        """Where `settle` moves the attached, non-root `node` (no change made)."""
         ck = node.checkpoint
-        state = node.state
-        pins = ck.pins if ck is not None else 0
-        facts = (state, not node.children, self._kv.refs[node.block], pins)
+        facts = (node.state, not node.children, self._kv.refs[node.block], ck.pins if ck else 0)
         dest = _SETTLED.get(facts)
         if dest is None:
             dest = _settled(node, *facts)
-        if dest == state:
-            return
-        if state == _EVICTABLE:
+        return dest
+
+    def _enter(self, node: Node, dest: str) -> None:
+        """Set `node`'s state to `dest` (a new one), keeping the index to exactly the
+        evictable nodes (invariant 7)."""
+        if node.state == _EVICTABLE:
             self.index.remove(node)
         node.state = dest
         if dest == _EVICTABLE:
@@ -119,26 +132,51 @@ class Evictor:
 
         Returns the blocks freed (node blocks plus frozen tails of their
         checkpoints), counted in `stats.evicted_blocks`.
+
+        Each step frees the oldest evictable leaf by `(tick, serial)`
+        ([R10]). A parent that the step leaves evictable and that is older
+        than every indexed leaf is the next step's leaf: it is freed at once,
+        without entering and leaving the index (an idle chain goes in one
+        pass), which frees exactly what the step-by-step order would.
         """
         freed = 0
         index = self.index
         removed: list[Node] | None = [] if self._events.enabled else None
         while freed < n and index:
             node = index.oldest()
-            freed += self._free(node)
-            if removed is not None:
-                removed.append(node)
+            index.remove(node)
+            while True:
+                parent = node.parent
+                freed += self._free(node)
+                if removed is not None:
+                    removed.append(node)
+                if parent is None or parent.block < 0:
+                    break
+                dest = self._implied(parent)
+                if dest == parent.state:
+                    break
+                if (
+                    dest == _EVICTABLE
+                    and freed < n
+                    and parent.state != _EVICTABLE
+                    and (not index or _older(parent, index.oldest()))
+                ):
+                    parent.state = dest
+                    node = parent
+                    continue
+                self._enter(parent, dest)
+                break
         if removed:
             self._events.removed(removed)
         self._stats.evicted_blocks += freed
         return freed
 
     def _free(self, node: Node) -> int:
-        """Detach an evictable leaf and release its block and checkpoint."""
+        """Detach `node`, an evictable leaf already out of the index, and release its
+        block and checkpoint; returns the blocks freed. The caller settles the parent."""
         freed_state = _FREED_FROM.get(node.state)
         if freed_state is None:  # the spec's IllegalTransition, naming the node
             freed_state = NODE.step(_FREE, node.state, node)
-        self.index.remove(node)
         freed = 0
         ck = node.checkpoint
         if ck is not None:
@@ -154,7 +192,6 @@ class Evictor:
         self.num_cached -= 1
         if self._kv.decref(node.block):
             freed += 1
-        self.settle(parent)
         return freed
 
     # ------------------------------------------------------------ make room
