@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 from cache.keys import HashedKey, key_tokens
 
-__all__ = ["NO_CHILDREN", "Checkpoint", "HashedKey", "Node"]
+__all__ = ["NO_CHILDREN", "Checkpoint", "HashedKey", "Node", "child_of"]
 
 
 class _NoChildren(dict[Hashable, "Node"]):
@@ -34,6 +34,9 @@ class _NoChildren(dict[Hashable, "Node"]):
 
 NO_CHILDREN: dict[Hashable, Node] = _NoChildren()
 """A leaf's `children`: the one shared, empty, read-only mapping (`Node.children`)."""
+
+
+_new_object = object.__new__
 
 
 class Node:
@@ -95,40 +98,6 @@ class Node:
         self.children: Node | dict[Hashable, Node] = NO_CHILDREN
         self.checkpoint: Checkpoint | None = None
 
-    @classmethod
-    def child_of(
-        cls,
-        parent: Node,
-        *,
-        key: Hashable,
-        extra: Hashable,
-        block: int,
-        serial: int,
-        tick: int,
-        block_hash: int,
-        state: str,
-    ) -> Node:
-        """A new node under `parent` (in its namespace), not yet linked in.
-
-        The same record as the keyword constructor builds, for the commit hot
-        path: it takes the namespace from `parent` and skips `__init__`, which
-        together cost about twice this call. Keyword-only, like the
-        constructor: four of its arguments are ints.
-        """
-        node = cls.__new__(cls)
-        node.parent = parent
-        node.key = key
-        node.extra = extra
-        node.block = block
-        node.namespace = parent.namespace
-        node.serial = serial
-        node.tick = tick
-        node.block_hash = block_hash
-        node.state = state
-        node.children = NO_CHILDREN
-        node.checkpoint = None
-        return node
-
     @property
     def tokens(self) -> tuple[int, ...]:
         """The block's token ids, unpacked from `key` (`()` for a root)."""
@@ -186,6 +155,40 @@ class Node:
 
     def __repr__(self) -> str:
         return f"<Node #{self.serial} ns={self.namespace!r} block={self.block} {self.state}>"
+
+
+def child_of(
+    parent: Node,
+    *,
+    key: Hashable,
+    extra: Hashable,
+    block: int,
+    serial: int,
+    tick: int,
+    block_hash: int,
+    state: str,
+) -> Node:
+    """A new node under `parent` (in its namespace), not yet linked in.
+
+    The same record as `Node`'s keyword constructor builds, for the commit hot
+    path: a module function (no bound classmethod per call) that takes the
+    namespace from `parent` and skips `__init__`; together about half the cost
+    of the constructor. Keyword-only, like the constructor: four of its
+    arguments are ints.
+    """
+    node: Node = _new_object(Node)
+    node.parent = parent
+    node.key = key
+    node.extra = extra
+    node.block = block
+    node.namespace = parent.namespace
+    node.serial = serial
+    node.tick = tick
+    node.block_hash = block_hash
+    node.state = state
+    node.children = NO_CHILDREN
+    node.checkpoint = None
+    return node
 
 
 class Checkpoint:

@@ -45,7 +45,7 @@ from cache.eviction import Evictor
 from cache.faults import Faults
 from cache.keys import block_identity, key_packed, request_keys
 from cache.kv_pool import KVBlockPool
-from cache.node import Checkpoint, Node
+from cache.node import Checkpoint, Node, child_of
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -426,7 +426,7 @@ class BlockTrie:
             block_hash = self._plain_digest(key, parent.block_hash)
         else:
             block_hash = chain(parent.block_hash, key_packed(key), extra, parent.namespace)
-        node = Node.child_of(
+        node = child_of(
             parent,
             key=key,
             extra=extra,
