@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 
 from cache.events import (
     CHECKPOINT_GROUP,
+    KIND_FULL_ATTENTION,
+    KV_GROUP,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -26,7 +29,6 @@ from cache.events import (
 from cache.keys import joined_tokens, key_packed
 
 _block_hash = attrgetter("block_hash")
-_block = attrgetter("block")
 
 if TYPE_CHECKING:
     from cache.block_hash import BlockHasher, ChainFn, PackedChainFn
@@ -83,10 +85,17 @@ class EventLog:
         finally:
             self.enabled = enabled
 
-    def stored(self, nodes: Sequence[Node], keys: Sequence[Hashable], block_size: int) -> None:
+    def stored(
+        self,
+        nodes: Sequence[Node],
+        keys: Sequence[Hashable],
+        blocks: Sequence[int],
+        block_size: int,
+    ) -> None:
         """One `BlockStored` for a chain of nodes attached by one commit, parent first.
 
-        `keys[i]` is `nodes[i].key` (the commit holds them already).
+        `keys[i]` and `blocks[i]` are `nodes[i].key` and `nodes[i].block` (the
+        commit holds them already, in its keys and block table).
         """
         if not self.enabled or not nodes:
             return
@@ -105,16 +114,17 @@ class EventLog:
 
             extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
         self._events.append(
-            BlockStored(
-                block_hashes=tuple(map(_block_hash, nodes)),
-                block_ids=tuple(map(_block, nodes)),
-                parent_block_hash=(
-                    None if parent is None or parent.block < 0 else parent.block_hash
-                ),
-                token_ids=token_ids,  # type: ignore[arg-type]
-                block_size=block_size,
-                namespace=namespace,
-                extra_keys=extras,
+            BlockStored(  # positional: a NamedTuple built by keyword costs twice as much
+                tuple(map(_block_hash, nodes)),
+                tuple(blocks),
+                None if parent is None or parent.block < 0 else parent.block_hash,
+                token_ids,
+                block_size,
+                namespace,
+                MEDIUM_GPU,
+                KV_GROUP,
+                KIND_FULL_ATTENTION,
+                extras,
             )
         )
 

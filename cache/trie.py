@@ -411,7 +411,8 @@ class BlockTrie:
                 parent = child
             # Once a block is attached every later one is new too (its parent has
             # no children yet), so the stored nodes are the last of `keys`.
-            self._events.stored(stored, keys[full - len(stored) : full], size)
+            first = full - len(stored)
+            self._events.stored(stored, keys[first:full], seq.blocks[first:full], size)
             seq.num_committed_tokens = n
         finally:
             self._gate.release()
