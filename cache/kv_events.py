@@ -31,18 +31,15 @@ its name; ``block_ids`` stay in process (a router has no use for them).
 
 from __future__ import annotations
 
-import sys
 import time
-from array import array
 from collections.abc import Iterable, Sequence
 
 import msgspec
+import numpy as np
 
 from cache.block_hash import MASK64
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from cache.keys import PackedTokens
-
-_U32 = next(code for code in "ILH" if array(code).itemsize == 4)
 
 __all__ = ["encode_batch", "msgpack_uint_array", "to_wire_event"]
 
@@ -117,69 +114,80 @@ def _hashes(hashes: tuple[int, ...]) -> Sequence[int]:
     return [h & MASK64 for h in hashes]
 
 
-_NATIVE_LITTLE = sys.byteorder == "little"
+_U32_NATIVE = np.dtype(np.uint32)  # the byte order `PackedTokens` (array "I") holds
+_ELEMENTS = [
+    (1 << bits, (tag, np.dtype([("tag", "u1"), ("value", f">u{bits // 8}")])))
+    for bits, tag in ((8, 0xCC), (16, 0xCD), (32, 0xCE))
+]
+"""(exclusive limit, (msgpack tag, record dtype)) of the uint 8 / 16 / 32 element forms."""
+
+
+def _array_head(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def msgpack_uint_arrays(payloads: Sequence[bytes]) -> list[bytes]:
+    """One msgpack array per payload of native-uint32 ids, built in one numpy pass.
+
+    Every element is written in one width for the whole call, the smallest
+    that holds its largest id: positive fixint (< 128), uint 8, uint 16 or
+    uint 32. Decoders read every width as an int, so each decoded list equals
+    that of encoding its ints one by one; only ids below the width may take a
+    byte or two more than their own minimal form. No `int` is made per id:
+    `encode_batch` encodes all of a batch's packed token ids in one call.
+    """
+    counts = [len(p) >> 2 for p in payloads]
+    ids = np.frombuffer(b"".join(payloads), dtype=_U32_NATIVE)
+    total = len(ids)
+    top = int(ids.max()) if total else 0
+    if top < 0x80:
+        body, width = ids.astype(np.uint8).tobytes(), 1
+    else:
+        tag, element = next(pair for limit, pair in _ELEMENTS if top < limit)
+        out = np.empty(total, dtype=element)  # (tag byte, big-endian value) records
+        out["tag"] = tag
+        out["value"] = ids
+        body, width = out.tobytes(), element.itemsize
+    arrays = []
+    start = 0
+    for n in counts:
+        stop = start + n * width
+        arrays.append(_array_head(n) + body[start:stop])
+        start = stop
+    return arrays
 
 
 def msgpack_uint_array(packed: bytes) -> bytes:
-    """The msgpack array of the native-uint32 ids in `packed`, built from the bytes.
+    """The msgpack array of the native-uint32 ids in `packed` (`msgpack_uint_arrays`)."""
+    return msgpack_uint_arrays([packed])[0]
 
-    One width for the whole array, the smallest that holds its largest id:
-    positive fixint (< 128), uint 8, uint 16 or uint 32. Decoders read every
-    width as an int, so the decoded list equals that of encoding the ints one
-    by one; only ids below the array's width may take a byte or two more than
-    their own minimal form. No `int` is made per id.
+
+def to_wire_event(
+    event: Event, *, legacy: bool = False, token_ids: msgspec.Raw | None = None
+) -> object:
+    """The msgspec struct `encode_batch` writes for one event (`TypeError` on others).
+
+    `token_ids`, for a `BlockStored`, is its ids already encoded (as
+    `encode_batch` does for a whole batch at once); by default they are
+    encoded here.
     """
-    ids = array(_U32, packed)
-    n = len(ids)
-    if n < 16:
-        head = bytes((0x90 | n,))
-    elif n < 0x10000:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    if _NATIVE_LITTLE:
-        ids.byteswap()
-    big = ids.tobytes()  # big-endian u32 per id; byte k of each id is big[k::4]
-    # Strided slices and compares run in C: no per-id Python object.
-    zeros = bytes(n)
-    if big[0::4] != zeros or big[1::4] != zeros:  # some id >= 2**16
-        out = bytearray(5 * n)
-        out[0::5] = b"\xce" * n
-        for k in range(4):
-            out[1 + k :: 5] = big[k::4]
-        return head + out
-    low = big[3::4]
-    mid = big[2::4]
-    if mid != zeros:  # some id >= 2**8
-        out = bytearray(3 * n)
-        out[0::3] = b"\xcd" * n
-        out[1::3] = mid
-        out[2::3] = low
-        return head + out
-    if low.isascii():  # every id < 128: positive fixints, one byte each
-        return head + low
-    out = bytearray(2 * n)
-    out[0::2] = b"\xcc" * n
-    out[1::2] = low
-    return head + out
-
-
-def _token_ids(tokens: Sequence[int]) -> object:
-    if isinstance(tokens, PackedTokens):
-        return msgspec.Raw(msgpack_uint_array(tokens.packed))
-    return tokens
-
-
-def to_wire_event(event: Event, *, legacy: bool = False) -> object:
-    """The msgspec struct `encode_batch` writes for one event (`TypeError` on others)."""
     if isinstance(event, BlockStored):
         stored = _LegacyStored if legacy else _Stored
         parent = event.parent_block_hash
         extra = event.extra_keys
+        tokens: object = token_ids
+        if tokens is None:
+            ids = event.token_ids
+            is_packed = type(ids) is PackedTokens
+            tokens = msgspec.Raw(msgpack_uint_array(ids.packed)) if is_packed else ids  # type: ignore[attr-defined]
         return stored(
             _hashes(event.block_hashes),
             None if parent is None else parent & MASK64,
-            _token_ids(event.token_ids),  # type: ignore[arg-type]  # Raw or a tuple: an array
+            tokens,  # type: ignore[arg-type]  # Raw or a tuple: an array either way
             event.block_size,
             event.lora_id,
             event.medium,
@@ -208,7 +216,24 @@ def encode_batch(
     `ts` defaults to `time.time()`. Raises `TypeError` for an object that is
     not a `cache.events` event or an extra key msgpack cannot encode.
     """
-    wire = [to_wire_event(e, legacy=legacy) for e in events]
+    events = events if isinstance(events, list) else list(events)
+    # Every packed token id array of the batch in one numpy pass.
+    packed = [
+        e.token_ids for e in events if type(e) is BlockStored and type(e.token_ids) is PackedTokens
+    ]
+    raw = iter(msgpack_uint_arrays([p.packed for p in packed])) if packed else iter(())
+    wire = [
+        to_wire_event(
+            e,
+            legacy=legacy,
+            token_ids=(
+                msgspec.Raw(next(raw))
+                if type(e) is BlockStored and type(e.token_ids) is PackedTokens
+                else None
+            ),
+        )
+        for e in events
+    ]
     batch = _Batch(time.time() if ts is None else float(ts), wire, data_parallel_rank)
     try:
         return _encoder.encode(batch)

@@ -283,3 +283,18 @@ def test_trie_events_encode_the_same_ids_as_tuples_would() -> None:
     got, want = decode(encode_batch(stored, ts=1.0)), decode(encode_batch(as_tuples, ts=1.0))
     assert got == want
     assert [e.token_ids for e in got.events] == [[1, 70_000, 3, 4], [9, 2**40, 5, 6]]
+
+
+@pytest.mark.parametrize("tops", [(5, 100), (5, 200), (300, 7), (2**32 - 1, 0), (70_000, 90)])
+def test_uint_arrays_of_a_batch_share_one_width_and_decode_each(tops: tuple[int, int]) -> None:
+    """One numpy pass encodes every payload of a batch: each array decodes to its own
+    ids (empty ones and 16+ element headers included) whatever the batch's width."""
+    from array import array
+
+    from cache.kv_events import msgpack_uint_arrays
+
+    code = next(c for c in "ILH" if array(c).itemsize == 4)
+    lists = [[tops[0]] * 3, [], [tops[1], 1, 2] * 7, [tops[0], tops[1]]]
+    raws = msgpack_uint_arrays([array(code, ids).tobytes() for ids in lists])
+    assert [msgspec.msgpack.decode(raw) for raw in raws] == lists
+    assert msgpack_uint_arrays([]) == []
