@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
-from cache.node import Node
+from cache.node import NO_CHILDREN, Node
 from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
 from spec.lifecycle import NODE, CheckpointTrigger, NodeState, NodeTrigger, implied_node_state
@@ -104,7 +104,9 @@ class Evictor:
     def _implied(self, node: Node) -> str:
         """Where `settle` moves the attached, non-root `node` (no change made)."""
         ck = node.checkpoint
-        facts = (node.state, not node.children, self._kv.refs[node.block], ck.pins if ck else 0)
+        leaf = node.children is NO_CHILDREN  # the shapes keep no empty dict
+        pins = ck.pins if ck is not None else 0
+        facts = (node.state, leaf, self._kv.refs[node.block], pins)
         dest = _SETTLED.get(facts)
         if dest is None:
             dest = _settled(node, *facts)
