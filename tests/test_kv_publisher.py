@@ -121,6 +121,12 @@ def test_late_subscriber_catches_up_through_replay(ctx: Ctx) -> None:
         assert pub.replay_endpoint is not None
         for i in range(80):  # nobody listens yet: PUB drops these, the buffer keeps them
             pub.publish(_batch(i))
+        # Connect only once the sender thread has sent them all: a subscriber joining
+        # while it still sends would receive the last few, and take probes for gaps.
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while pub.published_batches < 80 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pub.published_batches == 80
         sub = _sub(ctx, pub.endpoint)
         _wait_joined(pub, sub)  # the probes (AllBlocksCleared batches) take sequence numbers
         for i in range(80, 100):
