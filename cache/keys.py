@@ -176,7 +176,7 @@ def request_keys(
     if span.typecode == _U32:  # the usual case: the array's bytes are the keys
         buf = span.tobytes()
         width = 4 * size
-        packed = [buf[j * width : (j + 1) * width] for j in range(count)]
+        packed = [buf[at : at + width] for at in range(0, len(buf), width)]
     else:  # some id needs 64 bits: each block packs by its own ids
         packed = [pack_tokens(span[j * size : (j + 1) * size]) for j in range(count)]
     if extra is None and key_hash is None:
