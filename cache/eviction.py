@@ -187,7 +187,10 @@ class Evictor:
         parent = node.parent
         if parent is None:
             raise InvariantViolation("topology", f"evictable {node!r} has no parent")
-        parent.detach_child(node.key)
+        if parent.children is node:  # its only child: `Node.detach_child`, inlined
+            parent.children = NO_CHILDREN
+        else:
+            parent.detach_child(node.key)
         node.state = freed_state
         node.parent = None
         self.owner[node.block] = None

@@ -82,6 +82,13 @@ def key_packed(key: Hashable) -> bytes:
     return key
 
 
+def key_extra(key: Hashable) -> Hashable:
+    """The extra identity inside a key built by `block_key` (None for a plain block)."""
+    if isinstance(key, HashedKey):
+        key = key.inner
+    return key[1] if isinstance(key, tuple) else None
+
+
 def key_tokens(key: Hashable) -> tuple[int, ...]:
     """The token ids inside a key built by `block_key` (`()` for a root's `None`)."""
     return unpack_tokens(key_packed(key))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, NoReturn
 
-from cache.keys import HashedKey, key_tokens
+from cache.keys import HashedKey, key_extra, key_tokens
 
 __all__ = ["NO_CHILDREN", "Checkpoint", "HashedKey", "Node", "child_of"]
 
@@ -64,7 +64,6 @@ class Node:
         "block_hash",
         "checkpoint",
         "children",
-        "extra",
         "key",
         "namespace",
         "parent",
@@ -78,7 +77,6 @@ class Node:
         *,
         parent: Node | None,
         key: Hashable,
-        extra: Hashable,
         block: int,
         namespace: str,
         serial: int,
@@ -88,7 +86,6 @@ class Node:
     ) -> None:
         self.parent = parent
         self.key = key
-        self.extra = extra
         self.block = block
         self.namespace = namespace
         self.serial = serial
@@ -102,6 +99,11 @@ class Node:
     def tokens(self) -> tuple[int, ...]:
         """The block's token ids, unpacked from `key` (`()` for a root)."""
         return key_tokens(self.key)
+
+    @property
+    def extra(self) -> Hashable:
+        """The block's extra identity, read from `key` (None for a plain block or a root)."""
+        return key_extra(self.key)
 
     def child(self, key: Hashable) -> Node | None:
         """The child under `key`, or None (the lookup `match` and `commit` inline)."""
@@ -161,7 +163,6 @@ def child_of(
     parent: Node,
     *,
     key: Hashable,
-    extra: Hashable,
     block: int,
     serial: int,
     tick: int,
@@ -179,7 +180,6 @@ def child_of(
     node: Node = _new_object(Node)
     node.parent = parent
     node.key = key
-    node.extra = extra
     node.block = block
     node.namespace = parent.namespace
     node.serial = serial

@@ -225,7 +225,6 @@ class BlockTrie:
             root = Node(
                 parent=None,
                 key=None,
-                extra=None,
                 block=-1,  # roots own no block; `block < 0` marks a root everywhere
                 namespace=namespace,
                 serial=-1 - len(self._roots),
@@ -430,7 +429,6 @@ class BlockTrie:
         node = child_of(
             parent,
             key=key,
-            extra=extra,
             block=block,
             serial=self._node_serial,
             tick=tick,

@@ -16,6 +16,8 @@ from cache.keys import (
     PackedTokens,
     block_key,
     joined_tokens,
+    key_extra,
+    key_packed,
     key_tokens,
     pack_tokens,
     request_keys,
@@ -119,3 +121,15 @@ def test_packed_tokens_refuse_bad_input() -> None:
         PackedTokens(b"\x01\x02\x03")
     with pytest.raises(TypeError, match="packed block keys"):
         joined_tokens([b"\x00" * 4, (b"\x00" * 4, "img")], 1)  # type: ignore[list-item]
+
+
+@given(BLOCK, st.one_of(st.none(), st.text(max_size=3), st.tuples(st.integers(), st.text())))
+def test_a_key_carries_its_extra_identity(tokens: list[int], identity: object) -> None:
+    """`Node.extra` is read from the key (no slot of its own): every key shape gives back
+    the identity it was built with."""
+    packed = pack_tokens(tokens)
+    for key_hash in (None, lambda block: 7):
+        key = block_key(packed, identity, key_hash)  # type: ignore[arg-type]
+        assert key_extra(key) == identity and (key_extra(key) is None) == (identity is None)
+        assert key_packed(key) == packed
+    assert key_extra(None) is None  # a root's key

@@ -14,7 +14,6 @@ def _node(key: bytes | None, serial: int) -> Node:
     return Node(
         parent=None,
         key=key,
-        extra=None,
         block=serial,
         namespace="",
         serial=serial,
