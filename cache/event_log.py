@@ -29,6 +29,8 @@ from cache.events import (
 from cache.keys import joined_tokens, key_packed
 
 _block_hash = attrgetter("block_hash")
+_block = attrgetter("block")
+_namespace = attrgetter("namespace")
 
 if TYPE_CHECKING:
     from cache.block_hash import BlockHasher, ChainFn, PackedChainFn
@@ -131,6 +133,14 @@ class EventLog:
     def removed(self, nodes: Sequence[Node]) -> None:
         """One `BlockRemoved` per run of evicted nodes from the same namespace."""
         if not self.enabled or not nodes:
+            return
+        namespaces = set(map(_namespace, nodes))
+        if len(namespaces) == 1:  # the usual case: one event, built by C-level maps
+            self._events.append(
+                BlockRemoved(
+                    tuple(map(_block_hash, nodes)), tuple(map(_block, nodes)), namespaces.pop()
+                )
+            )
             return
         start = 0
         for i in range(1, len(nodes) + 1):

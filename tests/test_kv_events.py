@@ -10,6 +10,8 @@ pytest.importorskip("msgspec")
 pytest.importorskip("xxhash")
 
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cache.block_hash import MASK64, BlockHasher, extra_keys, to_wire
 from cache.events import (
@@ -298,3 +300,26 @@ def test_uint_arrays_of_a_batch_share_one_width_and_decode_each(tops: tuple[int,
     raws = msgpack_uint_arrays([array(code, ids).tobytes() for ids in lists])
     assert [msgspec.msgpack.decode(raw) for raw in raws] == lists
     assert msgpack_uint_arrays([]) == []
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 127),
+            st.integers(0, 255),
+            st.integers(0, 2**16),
+            st.integers(0, 2**32 - 1),
+        ),
+        max_size=40,
+    )
+)
+def test_numpy_and_bytes_bodies_are_the_same_bytes(ids: list[int]) -> None:
+    """The two ways `msgpack_uint_arrays` builds elements (numpy for large calls, strided
+    bytes copies for small ones) write identical bytes for every width."""
+    from array import array
+
+    from cache.kv_events import _body_bytes, _body_numpy
+
+    code = next(c for c in "ILH" if array(c).itemsize == 4)
+    joined = array(code, ids).tobytes()
+    assert _body_bytes(joined, len(ids)) == _body_numpy(joined, len(ids))

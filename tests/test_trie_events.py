@@ -118,3 +118,17 @@ def test_clear_emits_only_all_blocks_cleared() -> None:
     trie.clear()
     assert trie.drain_events() == [AllBlocksCleared()]
     trie.check()
+
+
+def test_one_eviction_over_two_namespaces_removes_by_namespace_runs() -> None:
+    """`BlockRemoved` names one namespace: an evict() that frees blocks of two
+    namespaces emits one event per run of the same namespace, in eviction order."""
+    trie = kv_trie(num_blocks=8, block_size=2)
+    serve(trie, [1, 2, 3], namespace="a")  # one block in "a" (the oldest)
+    serve(trie, [1, 2, 3], namespace="b")  # the same tokens in "b"
+    serve(trie, [5, 6, 7], namespace="a")
+    trie.drain_events()
+    assert trie.evict(3) == 3
+    removed = [e for e in trie.drain_events() if isinstance(e, BlockRemoved)]
+    assert [(e.namespace, len(e.block_ids)) for e in removed] == [("a", 1), ("b", 1), ("a", 1)]
+    trie.check()
