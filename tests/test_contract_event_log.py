@@ -7,8 +7,13 @@ names its anchor's namespace.
 
 from __future__ import annotations
 
+import pytest
+
+from cache.block_hash import BlockHasher, extra_keys
 from cache.events import CHECKPOINT_GROUP, BlockRemoved, BlockStored
 from tests.helpers import ssm_trie, state
+
+pytest.importorskip("xxhash")  # events on: the block hasher needs the `events` extra
 
 
 def test_drained_checkpoint_events_still_count_and_removal_names_the_namespace() -> None:
@@ -37,3 +42,50 @@ def test_drained_checkpoint_events_still_count_and_removal_names_the_namespace()
     ]
     assert trie._events.replayed_checkpoint_slots() == set()
     trie.check()
+
+
+def test_checkpoint_events_carry_the_exact_chain_hash_parent_and_extra_keys() -> None:
+    # "vllm" hashes the namespace into each block (xxh3 takes it from the root only).
+    trie, _ = ssm_trie(num_blocks=16, slots=4, block_hash="vllm")
+    hasher = BlockHasher("vllm", 0)
+    extra = ("img0", "img1", "img2")
+    seq = trie.match(list(range(1, 11)), namespace="tenant", extra=extra)
+    trie.allocate(seq, 10)
+    trie.commit(seq, 10)
+    (kv,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    h0, h1 = kv.block_hashes
+    assert kv.block_ids[0] == 0  # the anchor below is block 0: `block < 0` is the root test
+    trie.save(seq, 2, state(1.0))  # partial tail anchored at the namespace root
+    trie.save(seq, 6, state(2.0))  # partial tail (5, 6) past block 0
+    trie.save(seq, 8, state(3.0))  # block boundary: block 1, whose parent is block 0
+    at_root, past_0, at_1 = [
+        e
+        for e in trie.drain_events()
+        if isinstance(e, BlockStored) and e.group_idx == CHECKPOINT_GROUP
+    ]
+    keys0, keys1 = extra_keys("img0", "tenant"), extra_keys("img1", "tenant")
+    root = hasher.root("tenant")
+    assert at_root.block_hashes == (hasher.chain(root, (1, 2), "img0", "tenant"),)
+    assert (at_root.parent_block_hash, at_root.token_ids) == (None, (1, 2))
+    assert at_root.extra_keys == (keys0,)
+    assert past_0.block_hashes == (hasher.chain(h0, (5, 6), "img1", "tenant"),)
+    assert (past_0.parent_block_hash, past_0.token_ids) == (h0, (5, 6))
+    assert at_1.block_hashes == (h1,)
+    assert (at_1.parent_block_hash, at_1.token_ids) == (h0, (5, 6, 7, 8))
+    for event in (past_0, at_1):
+        assert (event.block_size, event.namespace, event.extra_keys) == (4, "tenant", (keys1,))
+    trie.check()
+
+
+def test_muted_log_publishes_no_checkpoint() -> None:
+    trie, _ = ssm_trie(num_blocks=16, slots=2)
+    seq = trie.match([1, 2, 3, 4, 5, 6])
+    trie.allocate(seq, 6)
+    trie.commit(seq, 6)
+    trie.save(seq, 6, state(1.0))
+    trie.drain_events()
+    checkpoint = seq.path[0].checkpoint
+    assert checkpoint is not None
+    with trie._events.muted():
+        trie._events.checkpoint_published(checkpoint, 4)
+    assert trie.drain_events() == []
