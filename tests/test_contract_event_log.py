@@ -1,8 +1,9 @@
 """Contract details of `cache.event_log` (mutation survivors).
 
 The checkpoint slots that events replay to include the events already drained
-(invariant 10 holds after a drain), and a dropped checkpoint's `BlockRemoved`
-names its anchor's namespace.
+(invariant 10 holds after a drain); checkpoint events carry the exact chain
+hash, parent hash, namespace and extra keys; removals come one event per run of
+one namespace; a disabled or muted log emits nothing.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import pytest
 
 from cache.block_hash import BlockHasher, extra_keys
+from cache.event_log import EventLog
 from cache.events import CHECKPOINT_GROUP, BlockRemoved, BlockStored
+from cache.node import Node
 from tests.helpers import ssm_trie, state
 
 pytest.importorskip("xxhash")  # events on: the block hasher needs the `events` extra
@@ -89,3 +92,41 @@ def test_muted_log_publishes_no_checkpoint() -> None:
     with trie._events.muted():
         trie._events.checkpoint_published(checkpoint, 4)
     assert trie.drain_events() == []
+
+
+def _node(namespace: str, block: int) -> Node:
+    return Node(
+        parent=None,
+        key=b"",
+        extra=None,
+        block=block,
+        namespace=namespace,
+        serial=block,
+        tick=0,
+        block_hash=100 + block,
+        state="x",
+    )
+
+
+def test_removed_emits_one_event_per_run_of_one_namespace() -> None:
+    log = EventLog(True)
+    nodes = [_node("", 1), _node("", 2), _node("t", 3), _node("", 4)]
+    log.removed(nodes)
+    assert log.drain() == [
+        BlockRemoved((101, 102), (1, 2), ""),
+        BlockRemoved((103,), (3,), "t"),
+        BlockRemoved((104,), (4,), ""),
+    ]
+    log.removed([])
+    assert log.drain() == []
+
+
+def test_a_disabled_or_muted_log_emits_no_removal() -> None:
+    off = EventLog(False)
+    off.removed([_node("", 1)])
+    assert off.drain() == []
+    log = EventLog(True)
+    with log.muted():
+        log.removed([_node("", 1)])
+    assert log.drain() == []
+    assert log.enabled

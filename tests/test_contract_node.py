@@ -3,7 +3,8 @@
 `Node.child` is the reference lookup that `match` and `commit` inline: it must
 find a child by an equal key (not only the identical object) in both the
 single-child and the dict shape, and miss on any other key. The shared
-`NO_CHILDREN` refuses writes with a message that says why.
+`NO_CHILDREN` refuses writes with a message that says why. A checkpoint keeps
+its partial tail's extra identity, which decides whether a request hits it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from cache.keys import pack_tokens
 from cache.node import NO_CHILDREN, Node
+from tests.helpers import ssm_trie, state
 
 MESSAGE = "NO_CHILDREN is shared by every leaf and is read-only"
 
@@ -79,3 +81,24 @@ def test_no_children_refuses_every_write_and_says_why(write: object) -> None:
     with pytest.raises(TypeError, match=f"^{re.escape(MESSAGE)}$"):
         write(NO_CHILDREN)  # type: ignore[operator]
     assert len(NO_CHILDREN) == 0
+
+
+def test_a_checkpoint_keeps_its_tail_identity_and_only_that_identity_hits_it() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    assert copies is not None
+    seq = trie.match([1, 2, 3, 4, 5, 6], extra=("a", "b"))
+    trie.allocate(seq, 6)
+    trie.commit(seq, 6)
+    trie.save(seq, 6, state(1.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    (view,) = trie.snapshot()["checkpoints"].values()
+    assert (view["tail"], view["tail_extra"]) == ((5, 6), "b")
+    other = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "c"))
+    assert other.restore is None
+    trie.abort(other)
+    same = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "b"))
+    assert same.restore is not None and same.restore.step == 6
+    trie.abort(same)
+    trie.check()
