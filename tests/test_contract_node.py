@@ -102,3 +102,25 @@ def test_a_checkpoint_keeps_its_tail_identity_and_only_that_identity_hits_it() -
     assert same.restore is not None and same.restore.step == 6
     trie.abort(same)
     trie.check()
+
+
+def test_child_count_counts_every_shape() -> None:
+    root = _root()
+    assert root.child_count() == 0
+    _child(root, [1, 2], 1)
+    assert root.child_count() == 1
+    _child(root, [3, 4], 2)
+    _child(root, [5, 6], 3)
+    assert root.child_count() == 3
+
+
+def test_detach_the_single_child_by_an_equal_key_and_refuse_another() -> None:
+    root = _root()
+    one = _child(root, [1, 2], 1)
+    missing = pack_tokens([9, 9])
+    with pytest.raises(KeyError) as raised:
+        root.detach_child(missing)
+    assert raised.value.args == (missing,)
+    assert root.children is one
+    root.detach_child(bytes(bytearray(pack_tokens([1, 2]))))
+    assert root.children is NO_CHILDREN  # type: ignore[comparison-overlap]
