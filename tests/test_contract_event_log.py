@@ -2,7 +2,8 @@
 
 The checkpoint slots that events replay to include the events already drained
 (invariant 10 holds after a drain); checkpoint events carry the exact chain
-hash, parent hash, namespace and extra keys; removals come one event per run of
+hash, parent hash, namespace and extra keys, and a commit's `BlockStored` its
+tokens and extra keys whatever the key shape; removals come one event per run of
 one namespace; a disabled or muted log emits nothing.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from cache import BlockTrie
 from cache.block_hash import BlockHasher, extra_keys
 from cache.event_log import EventLog
 from cache.events import CHECKPOINT_GROUP, BlockRemoved, BlockStored
 from cache.node import Node
-from tests.helpers import ssm_trie, state
+from tests.helpers import kv_trie, ssm_trie, state
 
 pytest.importorskip("xxhash")  # events on: the block hasher needs the `events` extra
 
@@ -130,3 +132,31 @@ def test_a_disabled_or_muted_log_emits_no_removal() -> None:
         log.removed([_node("", 1)])
     assert log.drain() == []
     assert log.enabled
+
+
+def _stored(trie: BlockTrie, extra: tuple[str, ...] | None = None) -> BlockStored:
+    seq = trie.match(list(range(1, 9)), extra=extra)
+    trie.allocate(seq, 8)
+    trie.commit(seq, 8)
+    (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    trie.release(seq)
+    trie.check()
+    return event
+
+
+def test_a_plain_commit_carries_its_tokens_and_no_extra_keys() -> None:
+    event = _stored(kv_trie())
+    assert event.token_ids == tuple(range(1, 9))
+    assert event.extra_keys is None
+
+
+def test_a_commit_with_extra_identity_carries_its_tokens_and_extra_keys() -> None:
+    event = _stored(kv_trie(), extra=("a", "b"))
+    assert event.token_ids == tuple(range(1, 9))
+    assert event.extra_keys == (extra_keys("a", ""), extra_keys("b", ""))
+
+
+def test_a_commit_under_an_injected_key_hash_carries_its_tokens_and_no_extra_keys() -> None:
+    event = _stored(kv_trie(key_hash=lambda block: 0))
+    assert event.token_ids == tuple(range(1, 9))
+    assert event.extra_keys is None
