@@ -160,3 +160,35 @@ def test_a_commit_under_an_injected_key_hash_carries_its_tokens_and_no_extra_key
     event = _stored(kv_trie(key_hash=lambda block: 0))
     assert event.token_ids == tuple(range(1, 9))
     assert event.extra_keys is None
+
+
+def test_a_namespaced_commit_carries_namespace_and_identity_in_its_extra_keys() -> None:
+    trie = kv_trie()
+    seq = trie.match(list(range(1, 9)), namespace="t", extra=("a", "b"))
+    trie.allocate(seq, 8)
+    trie.commit(seq, 8)
+    (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    assert event.extra_keys == (extra_keys("a", "t"), extra_keys("b", "t"))
+    assert event.extra_keys[0] != extra_keys(None, "t")
+
+
+def test_a_commit_under_block_zero_names_it_as_parent() -> None:
+    trie = kv_trie()
+    first = _stored_prefix(trie, 4)
+    assert first.block_ids == (0,)
+    second = _stored_prefix(trie, 8)
+    assert second.parent_block_hash == first.block_hashes[0]
+
+
+def _stored_prefix(trie: BlockTrie, length: int) -> BlockStored:
+    seq = trie.match(list(range(1, length + 1)))
+    trie.allocate(seq, length)
+    trie.commit(seq, length)
+    (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    trie.release(seq)
+    return event
+
+
+def test_root_hash_is_zero_with_events_off() -> None:
+    assert EventLog(False).root_hash("t") == 0
+    assert EventLog(True).root_hash("t") == BlockHasher("xxh3", 0).root("t")

@@ -124,3 +124,22 @@ def test_detach_the_single_child_by_an_equal_key_and_refuse_another() -> None:
     assert root.children is one
     root.detach_child(bytes(bytearray(pack_tokens([1, 2]))))
     assert root.children is NO_CHILDREN  # type: ignore[comparison-overlap]
+
+
+def test_the_keyword_constructor_links_its_parent() -> None:
+    root = _root()
+    node = Node(
+        parent=root,
+        key=pack_tokens([1]),
+        extra="e",
+        block=3,
+        namespace="t",
+        serial=4,
+        tick=5,
+        block_hash=6,
+        state="s",
+    )
+    assert node.parent is root
+    assert (node.extra, node.block, node.namespace, node.serial) == ("e", 3, "t", 4)
+    assert (node.tick, node.block_hash, node.state, node.tokens) == (5, 6, "s", (1,))
+    assert node.children is NO_CHILDREN and node.checkpoint is None
