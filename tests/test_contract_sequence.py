@@ -44,3 +44,11 @@ def test_sequence_repr_says_live_or_done() -> None:
     assert repr(seq) == "<Sequence #4 live tokens=3 cached=0 blocks=0>"
     seq.live = False
     assert repr(seq) == "<Sequence #4 done tokens=3 cached=0 blocks=0>"
+
+
+def test_tokens_is_a_tuple_even_when_empty_and_follows_appends() -> None:
+    seq = Sequence(object(), 5, [], "", None)
+    empty = seq.tokens
+    assert empty == () and type(empty) is tuple
+    seq.token_list.append(7)
+    assert seq.tokens == (7,)
