@@ -5,6 +5,7 @@ from __future__ import annotations
 from cache.node import Checkpoint, Node
 from cache.sequence import PinReceipt, Sequence
 from spec.lifecycle import ReceiptState
+from tests.helpers import empty_state, ssm_trie, state
 
 
 def _checkpoint(step: int) -> Checkpoint:
@@ -52,3 +53,21 @@ def test_tokens_is_a_tuple_even_when_empty_and_follows_appends() -> None:
     assert empty == () and type(empty) is tuple
     seq.token_list.append(7)
     assert seq.tokens == (7,)
+
+
+def test_restored_is_false_until_the_restore_is_queued() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    assert copies is not None
+    first = trie.match([1, 2, 3, 4, 5])
+    assert first.restored is False
+    trie.allocate(first, 5)
+    trie.commit(first, 5)
+    trie.save(first, 4, state(1.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(first)
+    seq = trie.match([1, 2, 3, 4, 5, 6])
+    assert seq.restore is not None and seq.restored is False
+    trie.allocate(seq, 6)
+    trie.restore(seq, empty_state())
+    assert seq.restored is True

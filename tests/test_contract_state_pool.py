@@ -59,3 +59,17 @@ def test_take_from_an_exhausted_pool_names_its_capacity() -> None:
     pool.take()
     with pytest.raises(OutOfStateSlots, match=r"^checkpoint pool: all 2 slots are held$"):
         pool.take()
+
+
+def test_the_pool_holds_one_tensor_per_state_in_the_configured_dtype_and_device() -> None:
+    pool = CheckpointSlotPool(
+        2, {"conv": (2, 3), "ssm": (4,)}, torch.float64, torch.device("meta"), Faults()
+    )
+    assert {n: (t.shape, t.dtype, t.device.type) for n, t in pool.tensors.items()} == {
+        "conv": ((2, 2, 3), torch.float64, "meta"),
+        "ssm": ((2, 4), torch.float64, "meta"),
+    }
+    assert (
+        CheckpointSlotPool(0, {"ssm": (4,)}, torch.float64, torch.device("cpu"), Faults()).tensors
+        == {}
+    )
