@@ -14,7 +14,7 @@ import torch
 
 from cache.faults import Faults
 from cache.state_pool import CheckpointSlotPool
-from spec.errors import InvalidArgument, InvalidType, OutOfStateSlots
+from spec.errors import CacheError, InvalidArgument, InvalidType, OutOfStateSlots
 
 
 def _pool(shapes: dict[str, tuple[int, ...]], slots: int = 2) -> CheckpointSlotPool:
@@ -73,3 +73,12 @@ def test_the_pool_holds_one_tensor_per_state_in_the_configured_dtype_and_device(
         CheckpointSlotPool(0, {"ssm": (4,)}, torch.float64, torch.device("cpu"), Faults()).tensors
         == {}
     )
+
+
+def test_giving_back_a_slot_never_taken_is_a_double_release() -> None:
+    pool = _pool({"ssm": (3,)}, slots=2)
+    with pytest.raises(
+        CacheError, match=r"^checkpoint pool: slot 1 is already free \(double release\)$"
+    ):
+        pool.give(1)
+    assert pool.free_ids() == [1, 0]
