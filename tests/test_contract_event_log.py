@@ -1,0 +1,194 @@
+"""Contract details of `cache.event_log` (mutation survivors).
+
+The checkpoint slots that events replay to include the events already drained
+(invariant 10 holds after a drain); checkpoint events carry the exact chain
+hash, parent hash, namespace and extra keys, and a commit's `BlockStored` its
+tokens and extra keys whatever the key shape; removals come one event per run of
+one namespace; a disabled or muted log emits nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache import BlockTrie
+from cache.block_hash import BlockHasher, extra_keys
+from cache.event_log import EventLog
+from cache.events import CHECKPOINT_GROUP, BlockRemoved, BlockStored
+from cache.node import Node
+from tests.helpers import kv_trie, ssm_trie, state
+
+pytest.importorskip("xxhash")  # events on: the block hasher needs the `events` extra
+
+
+def test_drained_checkpoint_events_still_count_and_removal_names_the_namespace() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    assert copies is not None
+    seq = trie.match([1, 2, 3, 4, 5, 6], namespace="tenant")
+    trie.allocate(seq, 6)
+    trie.commit(seq, 6)
+    trie.save(seq, 4, state(1.0))
+    stored = [
+        e
+        for e in trie.drain_events()
+        if isinstance(e, BlockStored) and e.group_idx == CHECKPOINT_GROUP
+    ]
+    assert [e.namespace for e in stored] == ["tenant"]
+    (slot,) = stored[0].block_ids
+    assert trie._events.replayed_checkpoint_slots() == {slot}
+    trie.check()
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    assert trie.evict_checkpoints(1) == 1
+    removed = [e for e in trie.drain_events() if isinstance(e, BlockRemoved)]
+    assert [(e.namespace, e.group_idx, e.block_ids) for e in removed] == [
+        ("tenant", CHECKPOINT_GROUP, (slot,))
+    ]
+    assert trie._events.replayed_checkpoint_slots() == set()
+    trie.check()
+
+
+def test_checkpoint_events_carry_the_exact_chain_hash_parent_and_extra_keys() -> None:
+    # "vllm" hashes the namespace into each block (xxh3 takes it from the root only).
+    trie, _ = ssm_trie(num_blocks=16, slots=4, block_hash="vllm")
+    hasher = BlockHasher("vllm", 0)
+    extra = ("img0", "img1", "img2")
+    seq = trie.match(list(range(1, 11)), namespace="tenant", extra=extra)
+    trie.allocate(seq, 10)
+    trie.commit(seq, 10)
+    (kv,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    h0, h1 = kv.block_hashes
+    assert kv.block_ids[0] == 0  # the anchor below is block 0: `block < 0` is the root test
+    trie.save(seq, 2, state(1.0))  # partial tail anchored at the namespace root
+    trie.save(seq, 6, state(2.0))  # partial tail (5, 6) past block 0
+    trie.save(seq, 8, state(3.0))  # block boundary: block 1, whose parent is block 0
+    at_root, past_0, at_1 = [
+        e
+        for e in trie.drain_events()
+        if isinstance(e, BlockStored) and e.group_idx == CHECKPOINT_GROUP
+    ]
+    keys0, keys1 = extra_keys("img0", "tenant"), extra_keys("img1", "tenant")
+    root = hasher.root("tenant")
+    assert at_root.block_hashes == (hasher.chain(root, (1, 2), "img0", "tenant"),)
+    assert (at_root.parent_block_hash, at_root.token_ids) == (None, (1, 2))
+    assert at_root.extra_keys == (keys0,)
+    assert past_0.block_hashes == (hasher.chain(h0, (5, 6), "img1", "tenant"),)
+    assert (past_0.parent_block_hash, past_0.token_ids) == (h0, (5, 6))
+    assert at_1.block_hashes == (h1,)
+    assert (at_1.parent_block_hash, at_1.token_ids) == (h0, (5, 6, 7, 8))
+    for event in (past_0, at_1):
+        assert (event.block_size, event.namespace, event.extra_keys) == (4, "tenant", (keys1,))
+    trie.check()
+
+
+def test_muted_log_publishes_no_checkpoint() -> None:
+    trie, _ = ssm_trie(num_blocks=16, slots=2)
+    seq = trie.match([1, 2, 3, 4, 5, 6])
+    trie.allocate(seq, 6)
+    trie.commit(seq, 6)
+    trie.save(seq, 6, state(1.0))
+    trie.drain_events()
+    checkpoint = seq.path[0].checkpoint
+    assert checkpoint is not None
+    with trie._events.muted():
+        trie._events.checkpoint_published(checkpoint, 4)
+    assert trie.drain_events() == []
+
+
+def _node(namespace: str, block: int) -> Node:
+    return Node(
+        parent=None,
+        key=b"",
+        extra=None,
+        block=block,
+        namespace=namespace,
+        serial=block,
+        tick=0,
+        block_hash=100 + block,
+        state="x",
+    )
+
+
+def test_removed_emits_one_event_per_run_of_one_namespace() -> None:
+    log = EventLog(True)
+    nodes = [_node("", 1), _node("", 2), _node("t", 3), _node("", 4)]
+    log.removed(nodes)
+    assert log.drain() == [
+        BlockRemoved((101, 102), (1, 2), ""),
+        BlockRemoved((103,), (3,), "t"),
+        BlockRemoved((104,), (4,), ""),
+    ]
+    log.removed([])
+    assert log.drain() == []
+
+
+def test_a_disabled_or_muted_log_emits_no_removal() -> None:
+    off = EventLog(False)
+    off.removed([_node("", 1)])
+    assert off.drain() == []
+    log = EventLog(True)
+    with log.muted():
+        log.removed([_node("", 1)])
+    assert log.drain() == []
+    assert log.enabled
+
+
+def _stored(trie: BlockTrie, extra: tuple[str, ...] | None = None) -> BlockStored:
+    seq = trie.match(list(range(1, 9)), extra=extra)
+    trie.allocate(seq, 8)
+    trie.commit(seq, 8)
+    (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    trie.release(seq)
+    trie.check()
+    return event
+
+
+def test_a_plain_commit_carries_its_tokens_and_no_extra_keys() -> None:
+    event = _stored(kv_trie())
+    assert event.token_ids == tuple(range(1, 9))
+    assert event.extra_keys is None
+
+
+def test_a_commit_with_extra_identity_carries_its_tokens_and_extra_keys() -> None:
+    event = _stored(kv_trie(), extra=("a", "b"))
+    assert event.token_ids == tuple(range(1, 9))
+    assert event.extra_keys == (extra_keys("a", ""), extra_keys("b", ""))
+
+
+def test_a_commit_under_an_injected_key_hash_carries_its_tokens_and_no_extra_keys() -> None:
+    event = _stored(kv_trie(key_hash=lambda block: 0))
+    assert event.token_ids == tuple(range(1, 9))
+    assert event.extra_keys is None
+
+
+def test_a_namespaced_commit_carries_namespace_and_identity_in_its_extra_keys() -> None:
+    trie = kv_trie()
+    seq = trie.match(list(range(1, 9)), namespace="t", extra=("a", "b"))
+    trie.allocate(seq, 8)
+    trie.commit(seq, 8)
+    (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    assert event.extra_keys == (extra_keys("a", "t"), extra_keys("b", "t"))
+    assert event.extra_keys[0] != extra_keys(None, "t")
+
+
+def test_a_commit_under_block_zero_names_it_as_parent() -> None:
+    trie = kv_trie()
+    first = _stored_prefix(trie, 4)
+    assert first.block_ids == (0,)
+    second = _stored_prefix(trie, 8)
+    assert second.parent_block_hash == first.block_hashes[0]
+
+
+def _stored_prefix(trie: BlockTrie, length: int) -> BlockStored:
+    seq = trie.match(list(range(1, length + 1)))
+    trie.allocate(seq, length)
+    trie.commit(seq, length)
+    (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    trie.release(seq)
+    return event
+
+
+def test_root_hash_is_zero_with_events_off() -> None:
+    assert EventLog(False).root_hash("t") == 0
+    assert EventLog(True).root_hash("t") == BlockHasher("xxh3", 0).root("t")
