@@ -100,7 +100,6 @@ def _node(namespace: str, block: int) -> Node:
     return Node(
         parent=None,
         key=b"",
-        extra=None,
         block=block,
         namespace=namespace,
         serial=block,

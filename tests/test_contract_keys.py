@@ -19,6 +19,7 @@ from cache.keys import (
     pack_tokens,
     request_keys,
 )
+from cache.validation import token_list
 
 
 def test_a_root_key_packs_to_no_bytes_and_no_tokens() -> None:
@@ -48,13 +49,13 @@ def test_block_identity_is_none_past_the_extra_tuple() -> None:
 
 
 def test_request_keys_give_each_block_its_own_extra_identity() -> None:
-    tokens = [1, 2, 3, 4, 5, 6, 7]
+    tokens = token_list([1, 2, 3, 4, 5, 6, 7])  # what match hands request_keys
     keys = request_keys(tokens, ("a", "b", "c"), 2, None, 1, 3)
     assert keys == [(pack_tokens([3, 4]), "b"), (pack_tokens([5, 6]), "c")]
     assert request_keys(tokens, ("a", "b", "c"), 2, None, 2, 2) == []
 
 
 def test_request_keys_wrap_every_block_with_the_injected_hash() -> None:
-    keys = request_keys([1, 2, 3, 4], None, 2, lambda block: 7, 0, 2)
+    keys = request_keys(token_list([1, 2, 3, 4]), None, 2, lambda block: 7, 0, 2)
     assert keys == [HashedKey(pack_tokens([1, 2]), 7), HashedKey(pack_tokens([3, 4]), 7)]
     assert all(hash(k) == 7 for k in keys)

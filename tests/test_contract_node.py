@@ -14,7 +14,7 @@ import re
 import pytest
 
 from cache.keys import pack_tokens
-from cache.node import NO_CHILDREN, Node
+from cache.node import NO_CHILDREN, Node, child_of
 from tests.helpers import ssm_trie, state
 
 MESSAGE = "NO_CHILDREN is shared by every leaf and is read-only"
@@ -24,7 +24,6 @@ def _root() -> Node:
     return Node(
         parent=None,
         key=None,
-        extra=None,
         block=-1,
         namespace="",
         serial=0,
@@ -36,9 +35,7 @@ def _root() -> Node:
 
 def _child(parent: Node, tokens: list[int], serial: int) -> Node:
     key = pack_tokens(tokens)
-    node = Node.child_of(
-        parent, key=key, extra=None, block=serial, serial=serial, tick=0, block_hash=0, state="x"
-    )
+    node = child_of(parent, key=key, block=serial, serial=serial, tick=0, block_hash=0, state="x")
     parent.attach_child(key, node)
     return node
 
@@ -130,8 +127,7 @@ def test_the_keyword_constructor_links_its_parent() -> None:
     root = _root()
     node = Node(
         parent=root,
-        key=pack_tokens([1]),
-        extra="e",
+        key=(pack_tokens([1]), "e"),  # a block with an extra identity: it is in the key
         block=3,
         namespace="t",
         serial=4,

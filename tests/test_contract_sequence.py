@@ -12,7 +12,6 @@ def _checkpoint(step: int) -> Checkpoint:
     root = Node(
         parent=None,
         key=None,
-        extra=None,
         block=-1,
         namespace="",
         serial=0,
