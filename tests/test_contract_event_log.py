@@ -191,3 +191,22 @@ def _stored_prefix(trie: BlockTrie, length: int) -> BlockStored:
 def test_root_hash_is_zero_with_events_off() -> None:
     assert EventLog(False).root_hash("t") == 0
     assert EventLog(True).root_hash("t") == BlockHasher("xxh3", 0).root("t")
+
+
+def test_removed_from_one_namespace_is_one_event_naming_it() -> None:
+    """The one-namespace fast path names the namespace (not None, not the default)."""
+    log = EventLog(True)
+    log.removed([_node("t", 1), _node("t", 2)])
+    assert log.drain() == [BlockRemoved((101, 102), (1, 2), "t")]
+
+
+def test_a_commit_announces_full_attention_blocks_in_the_device_tier() -> None:
+    """A commit's `BlockStored` (built positionally on the hot path) says what vLLM's
+    router reads: KV group 0, kind "full_attention", medium "GPU"."""
+    event = _stored(kv_trie())
+    assert (event.medium, event.group_idx, event.kv_cache_spec_kind) == (
+        "GPU",
+        0,
+        "full_attention",
+    )
+    assert event.lora_id is None
