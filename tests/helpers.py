@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from cache import BlockTrie, CacheConfig, ManualCopies
+from cache.node import Node
 from spec.snapshot import Snapshot
 
 
@@ -87,3 +88,11 @@ def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def detached_node(
+    key: Any = None, *, serial: int = 0, block: int = -1, namespace: str = "", **fields: Any
+) -> Node:
+    """A `Node` outside any trie (a root by default), for tests of the record itself."""
+    values: dict[str, Any] = {"tick": 0, "block_hash": 0, "state": "root", **fields}
+    return Node(parent=None, key=key, block=block, namespace=namespace, serial=serial, **values)

@@ -16,7 +16,7 @@ from cache.block_hash import BlockHasher, extra_keys
 from cache.event_log import EventLog
 from cache.events import CHECKPOINT_GROUP, BlockRemoved, BlockStored
 from cache.node import Node
-from tests.helpers import kv_trie, ssm_trie, state
+from tests.helpers import detached_node, kv_trie, ssm_trie, state
 
 pytest.importorskip("xxhash")  # events on: the block hasher needs the `events` extra
 
@@ -97,15 +97,8 @@ def test_muted_log_publishes_no_checkpoint() -> None:
 
 
 def _node(namespace: str, block: int) -> Node:
-    return Node(
-        parent=None,
-        key=b"",
-        block=block,
-        namespace=namespace,
-        serial=block,
-        tick=0,
-        block_hash=100 + block,
-        state="x",
+    return detached_node(
+        b"", serial=block, block=block, namespace=namespace, block_hash=100 + block, state="x"
     )
 
 

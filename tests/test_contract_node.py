@@ -15,22 +15,13 @@ import pytest
 
 from cache.keys import pack_tokens
 from cache.node import NO_CHILDREN, Node, child_of
-from tests.helpers import ssm_trie, state
+from tests.helpers import detached_node, ssm_trie, state
 
 MESSAGE = "NO_CHILDREN is shared by every leaf and is read-only"
 
 
 def _root() -> Node:
-    return Node(
-        parent=None,
-        key=None,
-        block=-1,
-        namespace="",
-        serial=0,
-        tick=0,
-        block_hash=0,
-        state="root",
-    )
+    return detached_node()
 
 
 def _child(parent: Node, tokens: list[int], serial: int) -> Node:

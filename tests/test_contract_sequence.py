@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-from cache.node import Checkpoint, Node
+from cache.node import Checkpoint
 from cache.sequence import PinReceipt, Sequence
 from spec.lifecycle import ReceiptState
-from tests.helpers import empty_state, ssm_trie, state
+from tests.helpers import detached_node, empty_state, ssm_trie, state
 
 
 def _checkpoint(step: int) -> Checkpoint:
-    root = Node(
-        parent=None,
-        key=None,
-        block=-1,
-        namespace="",
-        serial=0,
-        tick=0,
-        block_hash=0,
-        state="root",
-    )
+    root = detached_node()
     return Checkpoint(
         anchor=root,
         step=step,

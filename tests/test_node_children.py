@@ -8,19 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache.node import NO_CHILDREN, Node
+from tests.helpers import detached_node
 
 
 def _node(key: bytes | None, serial: int) -> Node:
-    return Node(
-        parent=None,
-        key=key,
-        block=serial,
-        namespace="",
-        serial=serial,
-        tick=0,
-        block_hash=0,
-        state="cached",
-    )
+    return detached_node(key, serial=serial, block=serial, state="cached")
 
 
 KEYS = [b"a", b"b", b"c", b"d"]
