@@ -58,6 +58,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, Protocol
 
 from cache.keys import pack_tokens, unpack_tokens
+from cache.validation import U32, U64
 
 __all__ = [
     "EXTRA_SEED",
@@ -136,17 +137,15 @@ def _encode_into(value: object, out: bytearray) -> None:
 
 EXTRA_SEED = 0x9E3779B97F4A7C15
 """XOR-ed into the seed of a block with an extra identity (scheme ``xxh3``)."""
-_U32_CODE = next(code for code in "ILH" if array(code).itemsize == 4)
-_U64_CODE = next(code for code in "QL" if array(code).itemsize == 8)
 
 
 def _little_endian(packed: bytes) -> bytes:  # pragma: no cover - big-endian hosts only
     """`packed` (native byte order, as `pack_tokens` writes it) in little-endian order."""
     if len(packed) % 4:
-        ids = array(_U64_CODE, packed[:-1])
+        ids = array(U64, packed[:-1])
         ids.byteswap()
         return ids.tobytes() + packed[-1:]
-    ids = array(_U32_CODE, packed)
+    ids = array(U32, packed)
     ids.byteswap()
     return ids.tobytes()
 

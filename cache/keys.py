@@ -26,11 +26,11 @@ from collections import abc
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, overload
 
+from cache.validation import U32, U64
+
 if TYPE_CHECKING:
     from cache.config import KeyHash
 
-_U32 = next(code for code in "ILH" if array(code).itemsize == 4)
-_U64 = next(code for code in "QL" if array(code).itemsize == 8)
 _WIDE = b"\x08"  # suffix of a uint64-packed block
 _U32_LIMIT = 1 << 32
 
@@ -38,15 +38,15 @@ _U32_LIMIT = 1 << 32
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """One block's token ids (each in [0, 2**64)) as its key bytes (see the module doc)."""
     if not tokens or max(tokens) < _U32_LIMIT:
-        return array(_U32, tokens).tobytes()
-    return array(_U64, tokens).tobytes() + _WIDE
+        return array(U32, tokens).tobytes()
+    return array(U64, tokens).tobytes() + _WIDE
 
 
 def unpack_tokens(packed: bytes) -> tuple[int, ...]:
     """The token ids that `pack_tokens` packed."""
     if len(packed) % 4:
-        return tuple(array(_U64, packed[:-1]))
-    return tuple(array(_U32, packed))
+        return tuple(array(U64, packed[:-1]))
+    return tuple(array(U32, packed))
 
 
 def block_identity(extra: tuple[Hashable, ...] | None, index: int) -> Hashable:
@@ -136,17 +136,17 @@ class PackedTokens(abc.Sequence[int]):
     @overload
     def __getitem__(self, index: slice) -> tuple[int, ...]: ...
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
-        ids = array(_U32, self.packed)
+        ids = array(U32, self.packed)
         if isinstance(index, slice):
             return tuple(ids[index])
         return ids[index]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(array(_U32, self.packed))
+        return iter(array(U32, self.packed))
 
     def tolist(self) -> list[int]:
         """The ids as a list, in one C pass."""
-        return array(_U32, self.packed).tolist()
+        return array(U32, self.packed).tolist()
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedTokens):
@@ -180,7 +180,7 @@ def request_keys(
     if count <= 0:
         return []
     span = tokens[start * size : stop * size]
-    if span.typecode == _U32:  # the usual case: the array's bytes are the keys
+    if span.typecode == U32:  # the usual case: the array's bytes are the keys
         buf = span.tobytes()
         width = 4 * size
         packed = [buf[at : at + width] for at in range(0, len(buf), width)]

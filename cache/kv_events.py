@@ -43,6 +43,7 @@ import numpy as np
 from cache.block_hash import MASK64
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from cache.keys import PackedTokens
+from cache.validation import U32
 
 __all__ = ["encode_batch", "msgpack_uint_array", "to_wire_event"]
 
@@ -118,7 +119,6 @@ def _hashes(hashes: tuple[int, ...]) -> Sequence[int]:
 
 
 _U32_NATIVE = np.dtype(np.uint32)  # the byte order `PackedTokens` (array "I") holds
-_U32_CODE = next(code for code in "ILH" if array(code).itemsize == 4)
 _NATIVE_LITTLE = sys.byteorder == "little"
 _ELEMENTS = [
     (1 << bits, (tag, np.dtype([("tag", "u1"), ("value", f">u{bits // 8}")])))
@@ -180,7 +180,7 @@ def _body_numpy(joined: bytes, total: int) -> tuple[bytes, int]:
 
 def _body_bytes(joined: bytes, total: int) -> tuple[bytes, int]:
     """`_body_numpy`'s bytes, by strided copies of the big-endian ids (no numpy)."""
-    ids = array(_U32_CODE, joined)
+    ids = array(U32, joined)
     if _NATIVE_LITTLE:
         ids.byteswap()
     big = ids.tobytes()  # byte k of each id is big[k::4]

@@ -14,7 +14,7 @@ TokenIds: TypeAlias = collections.abc.Sequence[int]
 """Token ids as the API takes them: a list or tuple of integers."""
 
 U32 = next(code for code in "ILH" if array(code).itemsize == 4)
-"""The `array` typecode of a native uint32."""
+"""The `array` typecode of a native uint32 (token storage, block keys, wire encoding)."""
 U64 = "Q"
 """The `array` typecode of a native uint64."""
 
