@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
-from cache.lru import LRUIndex
+from cache.lru import LRUIndex, older
 from cache.node import NO_CHILDREN, Node
 from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
@@ -33,11 +33,6 @@ from spec.lifecycle import NODE, CheckpointTrigger, NodeState, NodeTrigger, impl
 
 if TYPE_CHECKING:
     from cache.checkpoints import CheckpointStore
-
-
-def _older(a: Node, b: Node) -> bool:
-    """Whether `a` comes before `b` in eviction order, `(tick, serial)` ([R10])."""
-    return a.tick < b.tick or (a.tick == b.tick and a.serial < b.serial)
 
 
 _EVICTABLE = NodeState.EVICTABLE.value
@@ -161,7 +156,7 @@ class Evictor:
                     dest == _EVICTABLE
                     and freed < n
                     and parent.state != _EVICTABLE
-                    and (not index or _older(parent, index.oldest()))
+                    and (not index or older(parent, index.oldest()))  # [R10]
                 ):
                     parent.state = dest
                     node = parent

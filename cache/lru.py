@@ -110,6 +110,11 @@ class LRUIndex(Generic[T]):
             heapq.heappop(ticks)
 
 
+def older(a: _Ordered, b: _Ordered) -> bool:
+    """Whether `a` comes before `b` in the index's order, `(tick, serial)`."""
+    return a.tick < b.tick or (a.tick == b.tick and a.serial < b.serial)
+
+
 def _members(bucket: T | list[T]) -> list[T]:
     return bucket if type(bucket) is list else [bucket]  # type: ignore[list-item]
 
