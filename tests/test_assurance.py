@@ -718,3 +718,25 @@ def test_an_unarmed_fault_injector_does_not_record_every_allocation_forever() ->
         trie.allocate(seq, 5)
         trie.release(seq)
     assert len(trie.faults.points) < 1000
+
+
+def test_a_million_allocation_points_leave_the_fault_injector_flat() -> None:
+    """Issue 8, item 4: a million unarmed `Faults.check` calls (one per pool take)
+    hold no more memory than the first thousand do."""
+    import tracemalloc
+
+    from cache.faults import Faults
+
+    faults = Faults()
+    tracemalloc.start()
+    try:
+        for i in range(1_000):
+            faults.check(f"kv.take#{i}")
+        after_thousand = tracemalloc.get_traced_memory()[0]
+        for _ in range(1_000_000):
+            faults.check("kv.take")
+        after_million = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after_million <= after_thousand + 4096
+    assert len(faults.points) < 1_000
