@@ -17,6 +17,9 @@ KeyHash = Callable[[Hashable], int]
 BLOCK_HASH_SCHEMES = SCHEMES
 """`CacheConfig.block_hash` values (`cache.block_hash.SCHEMES`)."""
 
+HOST_WRITE_POLICIES = ("through",)
+"""`CacheConfig.host_write` values: when blocks are copied to the host tier."""
+
 
 MAX_POOL_ENTRIES = 2**31 - 1
 """The most KV blocks (or checkpoint slots) one pool may have (ids are int32-sized)."""
@@ -69,10 +72,17 @@ class CacheConfig:
     - `hash_seed` (an int in [0, 2**64)) and `block_hash` ("xxh3", the default,
       or "vllm"): the stable chained block hash events carry
       (`cache.block_hash`; needs the `events` extra when events are on).
+    - `num_host_blocks`: KV blocks in the host tier (an int >= 0, default 0: no
+      host tier). With a host tier, committed blocks are copied to host memory
+      and device eviction keeps them there, so a later `match` can `load` them
+      back instead of recomputing (docs/host-tier.md).
+    - `host_write`: when blocks are copied to the host tier: "through" (the
+      default and, for now, the only policy: each block as it is committed).
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
 
-    Limits: `num_blocks` and `num_checkpoint_slots` at most `MAX_POOL_ENTRIES`;
+    Limits: `num_blocks`, `num_host_blocks` and `num_checkpoint_slots` at most
+    `MAX_POOL_ENTRIES`;
     a CUDA device must exist when asked for.
     """
 
@@ -88,6 +98,8 @@ class CacheConfig:
     key_hash: KeyHash | None = None
     hash_seed: int = 0
     block_hash: str = "xxh3"
+    num_host_blocks: int = 0
+    host_write: str = "through"
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -98,6 +110,19 @@ class CacheConfig:
             allow_zero=True,
             limit=MAX_POOL_ENTRIES,
         )
+        _positive_int(
+            "num_host_blocks", self.num_host_blocks, allow_zero=True, limit=MAX_POOL_ENTRIES
+        )
+        if self.host_write not in HOST_WRITE_POLICIES:
+            raise ConfigError(
+                f"CacheConfig.host_write must be one of {HOST_WRITE_POLICIES}, "
+                f"got {self.host_write!r}"
+                + (
+                    " (write-back is not implemented yet: use 'through')"
+                    if self.host_write == "back"
+                    else ""
+                )
+            )
         if self.kv_block_shape is not None:
             object.__setattr__(
                 self, "kv_block_shape", _shape("kv_block_shape", self.kv_block_shape)
@@ -111,7 +136,8 @@ class CacheConfig:
             shapes[name] = _shape(f"state_shapes[{name!r}]", shape)
         object.__setattr__(self, "state_shapes", shapes)
         pools: list[tuple[str, int, tuple[int, ...] | None]] = [
-            ("kv_block_shape", self.num_blocks, self.kv_block_shape)
+            ("kv_block_shape", self.num_blocks, self.kv_block_shape),
+            ("kv_block_shape", self.num_host_blocks, self.kv_block_shape),
         ]
         pools += [(f"state_shapes[{n!r}]", self.num_checkpoint_slots, s) for n, s in shapes.items()]
         for field_name, entries, pool_shape in pools:
@@ -152,6 +178,11 @@ class CacheConfig:
                 f"CacheConfig.block_hash must be one of {BLOCK_HASH_SCHEMES}, "
                 f"got {self.block_hash!r}"
             )
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether evicted KV blocks are kept in a host-memory tier."""
+        return self.num_host_blocks > 0
 
     @property
     def ssm(self) -> bool:

@@ -23,19 +23,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
-from spec.lifecycle import COPY, CopyState, CopyTrigger
+from spec.lifecycle import COPY, CopyKind, CopyState, CopyTrigger
 
 _QUEUED = CopyState.QUEUED.value
+_LOAD = CopyKind.LOAD.value
 
 if TYPE_CHECKING:
+    from cache.node import Node
     from cache.sequence import PinReceipt
 
 Resource = tuple[str, int]
-"""("block", id) or ("slot", id): what a copy touches, for ordering."""
+"""("block", id), ("host_block", id) or ("slot", id): what a copy touches, for ordering."""
 
 
 class Copy:
-    """One queued copy. `kind` is "save" or "restore"; `step` the checkpoint's step.
+    """One queued copy. `kind` is "save" or "restore" (a checkpoint's; `step` its step),
+    or "store" / "load" (KV blocks to / from the host tier; `step` 0).
 
     `state` follows `spec.lifecycle.COPY`: `queued`, then `finished` (its data
     moved) or `failed`, then `reaped` once the trie released its pins and
@@ -50,8 +53,10 @@ class Copy:
         "_on_fail",
         "blocks",
         "failed",
+        "host_blocks",
         "kind",
         "moves",
+        "nodes",
         "receipts",
         "resources",
         "serial",
@@ -70,7 +75,7 @@ class Copy:
         """A copy of `moves` (source, destination) touching `resources`; built by
         the trie (`cache.transfers`), not by users."""
         self.kind = kind
-        """"save" or "restore"."""
+        """"save", "restore", "store" or "load"."""
         self.step = step
         """The checkpoint's step (tokens of state it carries)."""
         self.moves = moves
@@ -83,6 +88,11 @@ class Copy:
         """The pins it holds until reaped (a save's producer pin, a restore's match pin)."""
         self.blocks: list[int] = []
         """The KV block references it holds until reaped."""
+        self.host_blocks: list[int] = []
+        """The host-tier block references it holds until reaped (store and load copies)."""
+        self.nodes: list[Node] = []
+        """The nodes whose KV a store or load copy moves (their residency changes when
+        it is reaped)."""
         self.state: str = _QUEUED
         """Its `spec.lifecycle.COPY` state: queued, finished, failed, reaped."""
         self.failed = False
@@ -248,8 +258,10 @@ class DeviceCopies(CopyEngine):
         event = copy._event
         if event is None:
             return
-        if any(not t.is_cuda for move in copy.moves for t in move):
-            # A host tensor is read or written: the host itself must wait.
+        if copy.kind != _LOAD and any(not t.is_cuda for move in copy.moves for t in move):
+            # A host tensor is read or written: the host itself must wait. (A load
+            # reads the host tier only, which nothing but stream-ordered copies
+            # write: the device stream waiting is enough.)
             event.synchronize()
         else:
             torch.cuda.current_stream(self._device).wait_event(event)

@@ -17,6 +17,7 @@ from cache.events import (
     CHECKPOINT_GROUP,
     KIND_FULL_ATTENTION,
     KV_GROUP,
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -47,6 +48,7 @@ class EventLog:
 
     __slots__ = (
         "_drained_checkpoints",
+        "_drained_host",
         "_drained_view",
         "_events",
         "chain",
@@ -61,6 +63,7 @@ class EventLog:
         self._events: list[Event] = []
         self._drained_view: set[int] = set()
         self._drained_checkpoints: set[int] = set()
+        self._drained_host: set[int] = set()
         self.hasher: BlockHasher | None = None
         self.chain: ChainFn | None = None
         self.chain_packed: PackedChainFn | None = None
@@ -119,7 +122,7 @@ class EventLog:
             BlockStored(  # positional: a NamedTuple built by keyword costs twice as much
                 tuple(map(_block_hash, nodes)),
                 tuple(blocks),
-                None if parent is None or parent.block < 0 else parent.block_hash,
+                None if parent is None or parent.key is None else parent.block_hash,
                 token_ids,
                 block_size,
                 namespace,
@@ -155,6 +158,54 @@ class EventLog:
                 )
                 start = i
 
+    def removed_blocks(self, node: Node, block: int) -> None:
+        """`node`'s device `block` was freed while the node stays (offloaded to host)."""
+        if self.enabled:
+            self._events.append(BlockRemoved((node.block_hash,), (block,), node.namespace))
+
+    def host_stored(self, nodes: Sequence[Node]) -> None:
+        """A store copy finished: `nodes` are now in the host tier (medium CPU)."""
+        self._single_blocks(nodes, [nd.host for nd in nodes], MEDIUM_CPU)
+
+    def back_on_device(self, nodes: Sequence[Node]) -> None:
+        """`nodes` own a device block again (a load finished, or a commit adopted
+        them): medium GPU."""
+        self._single_blocks(nodes, [nd.block for nd in nodes], MEDIUM_GPU)
+
+    def host_removed(self, nodes: Sequence[Node]) -> None:
+        """Host eviction freed the host blocks of `nodes` (medium CPU)."""
+        if not self.enabled or not nodes:
+            return
+        for nd in nodes:
+            self._events.append(
+                BlockRemoved((nd.block_hash,), (nd.host,), nd.namespace, MEDIUM_CPU)
+            )
+
+    def _single_blocks(self, nodes: Sequence[Node], blocks: Sequence[int], medium: str) -> None:
+        """One `BlockStored` per node (the host tier moves blocks one by one)."""
+        if not self.enabled:
+            return
+        from cache.block_hash import extra_keys
+
+        for nd, block in zip(nodes, blocks, strict=True):
+            parent = nd.parent
+            namespace = nd.namespace
+            extra = nd.extra
+            self._events.append(
+                BlockStored(
+                    (nd.block_hash,),
+                    (block,),
+                    None if parent is None or parent.key is None else parent.block_hash,
+                    nd.tokens,
+                    len(nd.tokens),
+                    namespace,
+                    medium,
+                    KV_GROUP,
+                    KIND_FULL_ATTENTION,
+                    (extra_keys(extra, namespace),) if namespace or extra is not None else None,
+                )
+            )
+
     def checkpoint_published(self, ck: Checkpoint, block_size: int) -> None:
         """`ck` became matchable: a `BlockStored` in the checkpoint group.
 
@@ -168,12 +219,12 @@ class EventLog:
         anchor = ck.anchor
         if ck.tail:
             ck.block_hash = self.chain(anchor.block_hash, ck.tail, ck.tail_extra, anchor.namespace)
-            parent_hash = None if anchor.block < 0 else anchor.block_hash
+            parent_hash = None if anchor.key is None else anchor.block_hash
             tokens, extra = ck.tail, ck.tail_extra
         else:
             ck.block_hash = anchor.block_hash
             parent = anchor.parent
-            parent_hash = None if parent is None or parent.block < 0 else parent.block_hash
+            parent_hash = None if parent is None or parent.key is None else parent.block_hash
             tokens, extra = anchor.tokens, anchor.extra
         from cache.block_hash import extra_keys
 
@@ -207,6 +258,7 @@ class EventLog:
         self._events = []
         replay(events, self._drained_view)
         replay(events, self._drained_checkpoints, group_idx=CHECKPOINT_GROUP)
+        replay(events, self._drained_host, medium=MEDIUM_CPU)
         return events
 
     def replayed_blocks(self) -> set[int] | None:
@@ -214,6 +266,12 @@ class EventLog:
         if not self.enabled:
             return None
         return replay(self._events, set(self._drained_view))
+
+    def replayed_host_blocks(self) -> set[int] | None:
+        """The host-tier block set all events so far replay to (None when events are off)."""
+        if not self.enabled:
+            return None
+        return replay(self._events, set(self._drained_host), medium=MEDIUM_CPU)
 
     def replayed_checkpoint_slots(self) -> set[int] | None:
         """The checkpoint slots all events so far replay to (None when events are off)."""

@@ -92,20 +92,25 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def replay(
-    events: Iterable[Event], blocks: set[int] | None = None, *, group_idx: int = KV_GROUP
+    events: Iterable[Event],
+    blocks: set[int] | None = None,
+    *,
+    group_idx: int = KV_GROUP,
+    medium: str = MEDIUM_GPU,
 ) -> set[int]:
     """Apply `events` in order to `blocks` (a new empty set by default); returns it.
 
-    Only events of `group_idx` apply (KV blocks by default; `CHECKPOINT_GROUP`
-    gives the published checkpoint slots); `AllBlocksCleared` clears every group.
+    Only events of `group_idx` and `medium` apply (device KV blocks by default;
+    `CHECKPOINT_GROUP` gives the published checkpoint slots, `MEDIUM_CPU` the
+    host tier's blocks); `AllBlocksCleared` clears every group and medium.
     """
     out = set() if blocks is None else blocks
     for event in events:
         if isinstance(event, BlockStored):
-            if event.group_idx == group_idx:
+            if event.group_idx == group_idx and event.medium == medium:
                 out.update(event.block_ids)
         elif isinstance(event, BlockRemoved):
-            if event.group_idx == group_idx:
+            if event.group_idx == group_idx and event.medium == medium:
                 out.difference_update(event.block_ids)
         else:
             out.clear()

@@ -9,7 +9,11 @@
   `spec.lifecycle.implied_node_state` implies, through the spec's routes;
   entering or leaving `evictable` is what adds or removes it from the index;
 - freeing a node (`NODE` trigger `free`, illegal from anything but
-  `evictable`: evicting a pinned node raises, it is not a missed `if`);
+  `evictable`: evicting a pinned node raises, it is not a missed `if`), or,
+  with a host tier, offloading it (`offload`: a mirrored leaf keeps its host
+  copy and stays attached, `offloaded`; [R48]);
+- with a host tier, which nodes are device leaves: a node whose children all
+  live only on the host is one (`offloaded_children` counts them);
 - making room for an allocation: the reclaim cascade ([R16], [R17]) — KV
   leaves first, the parents that become evictable on the way, then the
   frozen tails of unpinned checkpoints — with feasibility decided before
@@ -26,25 +30,38 @@ from typing import TYPE_CHECKING
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex, older
-from cache.node import NO_CHILDREN, Node
+from cache.node import NO_BLOCK, NO_CHILDREN, Node
 from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
-from spec.lifecycle import NODE, CheckpointTrigger, NodeState, NodeTrigger, implied_node_state
+from spec.lifecycle import (
+    NODE,
+    CheckpointTrigger,
+    NodeState,
+    NodeTrigger,
+    Residency,
+    implied_node_state,
+)
 
 if TYPE_CHECKING:
     from cache.checkpoints import CheckpointStore
+    from cache.host_tier import HostTier
 
 
 _EVICTABLE = NodeState.EVICTABLE.value
+_OFFLOADED = NodeState.OFFLOADED.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
+_OFFLOAD = NodeTrigger.OFFLOAD.value
+_MIRRORED = Residency.MIRRORED.value
+_DEVICE = Residency.DEVICE.value
 
 _FREED_FROM: dict[str, str] = {
     state: dest for (trigger, state), dest in NODE.table.items() if trigger == _FREE
 }
 """The `NODE` table's `free` row: state -> state after `free` (only `evictable` has one)."""
 
-_SETTLED: dict[tuple[str, bool, int, int], str] = {}
-"""(stored state, leaf, block refs, pins) -> the state `settle` moves an attached node to.
+_SETTLED: dict[tuple[str, bool, int, int, bool], str] = {}
+"""(stored state, leaf, block refs, pins, on device) -> the state `settle` moves an
+attached node to.
 
 A memo of `_settled`, which is a pure function of these facts (the spec's
 `implied_node_state`, then every step of the spec's route to it): the hot
@@ -53,33 +70,54 @@ Bounded by the distinct facts seen (states x 2 x reference counts x pins).
 """
 
 
-def _settled(node: Node, state: str, leaf: bool, refs: int, pins: int) -> str:
+def _settled(node: Node, state: str, leaf: bool, refs: int, pins: int, on_device: bool) -> str:
     """Derive (and memoize) where `settle` moves `node`; raises `IllegalTransition`
     (memoizing nothing) when the spec has no route there."""
-    implied = implied_node_state(attached=True, leaf=leaf, block_refs=refs, pins=pins)
+    implied = implied_node_state(
+        attached=True, leaf=leaf, block_refs=refs, pins=pins, on_device=on_device
+    )
     dest = state
     for trigger in NODE.route(state, implied, node):
         dest = NODE.step(trigger, dest, node)
     dest = str(NodeState(dest).value)
-    _SETTLED[(state, leaf, refs, pins)] = dest
+    _SETTLED[(state, leaf, refs, pins, on_device)] = dest
     return dest
 
 
 class Evictor:
     """The eviction index and everything that changes a node's lifecycle state."""
 
-    __slots__ = ("_events", "_kv", "_stats", "checkpoints", "index", "num_cached", "owner")
+    __slots__ = (
+        "_events",
+        "_kv",
+        "_stats",
+        "checkpoints",
+        "host",
+        "index",
+        "num_cached",
+        "offloaded_children",
+        "owner",
+    )
 
     def __init__(
-        self, kv: KVBlockPool, checkpoints: CheckpointStore, stats: CacheStats, events: EventLog
+        self,
+        kv: KVBlockPool,
+        checkpoints: CheckpointStore,
+        stats: CacheStats,
+        events: EventLog,
+        host: HostTier | None = None,
     ) -> None:
         self._kv = kv
         self._stats = stats
         self._events = events
         self.checkpoints = checkpoints
+        self.host = host
+        """The host tier, or None (then no node is ever offloaded)."""
         self.index: LRUIndex[Node] = LRUIndex()
         self.owner: list[Node | None] = [None] * kv.capacity
         self.num_cached = 0
+        self.offloaded_children: dict[Node, int] = {}
+        """Per attached node with any, how many of its children are `offloaded`."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -90,7 +128,7 @@ class Evictor:
 
     def settle(self, node: Node) -> None:
         """Move `node` to the state its facts imply, through the spec's routes."""
-        if node.block < 0:
+        if node.key is None:
             return  # a root: always `root`
         dest = self._implied(node)
         if dest != node.state:
@@ -99,9 +137,16 @@ class Evictor:
     def _implied(self, node: Node) -> str:
         """Where `settle` moves the attached, non-root `node` (no change made)."""
         ck = node.checkpoint
-        leaf = node.children is NO_CHILDREN  # the shapes keep no empty dict
+        children = node.children
+        leaf = children is NO_CHILDREN  # the shapes keep no empty dict
+        if not leaf and self.offloaded_children:
+            leaf = self.offloaded_children.get(node, 0) == node.child_count()
         pins = ck.pins if ck is not None else 0
-        facts = (node.state, leaf, self._kv.refs[node.block], pins)
+        block = node.block
+        if block == NO_BLOCK:
+            facts = (node.state, leaf, 0, pins, False)
+        else:
+            facts = (node.state, leaf, self._kv.refs[block], pins, True)
         dest = _SETTLED.get(facts)
         if dest is None:
             dest = _settled(node, *facts)
@@ -115,6 +160,52 @@ class Evictor:
         node.state = dest
         if dest == _EVICTABLE:
             self.index.add(node)
+
+    def attach_block(self, node: Node, block: int) -> None:
+        """Give `node`, offloaded, the device `block` the caller took (a load, or a
+        commit that computed it: [R49], [R50]); the trie's reference is the one
+        `take` gave. The caller settles it once its references are in place."""
+        node.block = block
+        self.owner[block] = node
+        self.num_cached += 1
+        self._offloaded_child_gone(node.parent)
+
+    def detach_block(self, node: Node) -> None:
+        """Take the device block from `node`, whose load failed: the node is `offloaded`
+        again, and the block is private to whoever else holds it."""
+        block = node.block
+        self.owner[block] = None
+        self.num_cached -= 1
+        node.block = NO_BLOCK
+        self._kv.decref(block)
+        parent = node.parent
+        self._offloaded_child_added(parent)
+        self.settle(node)
+        if parent is not None:
+            self.settle(parent)  # may be a device leaf now
+
+    def detach_offloaded(self, parent: Node, node: Node) -> None:
+        """Unlink `node`, an offloaded child of `parent` that host eviction frees."""
+        if parent.children is node:
+            parent.children = NO_CHILDREN
+        else:
+            parent.detach_child(node.key)
+        self._offloaded_child_gone(parent)
+
+    def _offloaded_child_added(self, parent: Node | None) -> None:
+        if parent is not None:
+            counts = self.offloaded_children
+            counts[parent] = counts.get(parent, 0) + 1
+
+    def _offloaded_child_gone(self, parent: Node | None) -> None:
+        if parent is None:
+            return
+        counts = self.offloaded_children
+        left = counts[parent] - 1
+        if left:
+            counts[parent] = left
+        else:
+            del counts[parent]
 
     def settle_block(self, block: int) -> None:
         """Settle the node owning `block`, if any (a reference to it was dropped)."""
@@ -145,9 +236,9 @@ class Evictor:
             while True:
                 parent = node.parent
                 freed += self._free(node)
-                if removed is not None:
+                if removed is not None and node.parent is None:  # freed, not offloaded
                     removed.append(node)
-                if parent is None or parent.block < 0:
+                if parent is None or parent.key is None:
                     break
                 dest = self._implied(parent)
                 if dest == parent.state:
@@ -170,7 +261,16 @@ class Evictor:
 
     def _free(self, node: Node) -> int:
         """Detach `node`, an evictable leaf already out of the index, and release its
-        block and checkpoint; returns the blocks freed. The caller settles the parent."""
+        block and checkpoint; returns the blocks freed. The caller settles the parent.
+
+        With a host tier, a mirrored leaf is offloaded instead (it stays attached,
+        its host copy loadable), and a leaf without a host copy takes the
+        host-only nodes below it along ([R48]).
+        """
+        if node.residency != _DEVICE:
+            return self._offload(node)
+        if node.children is not NO_CHILDREN and self.host is not None:
+            self.host.drop_below(node)
         freed_state = _FREED_FROM.get(node.state)
         if freed_state is None:  # the spec's IllegalTransition, naming the node
             freed_state = NODE.step(_FREE, node.state, node)
@@ -192,6 +292,34 @@ class Evictor:
         self.num_cached -= 1
         if self._kv.decref(node.block):
             freed += 1
+        return freed
+
+    def _offload(self, node: Node) -> int:
+        """Free the device block of `node`, an evictable mirrored leaf already out of
+        the index; the node stays attached, `offloaded` ([R48]). Returns the
+        blocks freed (its checkpoint's frozen tail too: checkpoints live on the
+        device only, so an offloaded node holds none)."""
+        state = NODE.step(_OFFLOAD, node.state, node)
+        host = self.host
+        if host is None or node.residency != _MIRRORED:
+            raise InvariantViolation(
+                "residency", f"{node!r} is {node.residency}: only a mirrored block is offloaded"
+            )
+        freed = 0
+        ck = node.checkpoint
+        if ck is not None:
+            freed += self.checkpoints.drop(ck, CheckpointTrigger.EVICT)
+            self._stats.evicted_checkpoints += 1
+        block = node.block
+        self._events.removed_blocks(node, block)
+        node.state = state
+        node.block = NO_BLOCK
+        self.owner[block] = None
+        self.num_cached -= 1
+        self._offloaded_child_added(node.parent)
+        if self._kv.decref(block):
+            freed += 1
+        host.offloaded(node)
         return freed
 
     # ------------------------------------------------------------ make room
@@ -241,7 +369,7 @@ class Evictor:
                 if ck is not None and ck.frozen_block is not None:
                     count += 1
                 parent = node.parent
-                if parent is None or parent.block < 0:
+                if parent is None or parent.key is None:
                     break
                 seen = gone.get(parent.serial, 0) + 1
                 gone[parent.serial] = seen
@@ -249,7 +377,7 @@ class Evictor:
                 # Would the parent be evictable once all counted children are gone?
                 after = implied_node_state(
                     attached=True,
-                    leaf=seen == parent.child_count(),
+                    leaf=seen + self.offloaded_children.get(parent, 0) == parent.child_count(),
                     block_refs=refs[parent.block],
                     pins=pck.pins if pck is not None else 0,
                 )

@@ -30,13 +30,15 @@ def snapshot(trie: BlockTrie) -> Snapshot:
             "namespace": node.namespace,
             "parent": None if node.parent is None else node.parent.serial,
             "depth": depth,
-            "key": None if node.block < 0 else (node.tokens, node.extra),
+            "key": None if node.key is None else (node.tokens, node.extra),
             "block": None if node.block < 0 else node.block,
             "children": [c.serial for c in node.child_nodes()],
             "state": node.state,
             "tick": node.tick,
             "serial": node.serial,
             "checkpoint": None if ck is None else ck.serial,
+            "block_host": None if node.host < 0 else node.host,
+            "residency": node.residency,
         }
         if ck is not None:
             checkpoints[ck.serial] = {
@@ -64,6 +66,8 @@ def snapshot(trie: BlockTrie) -> Snapshot:
             "num_committed_tokens": seq.num_committed_tokens,
             "restore_checkpoint": None if seq.restore is None else seq.restore.checkpoint.serial,
             "holds_match_pin": seq.match_receipt is not None,
+            "host_path": [n.serial for n in seq.host_path],
+            "num_host_tokens": seq.num_host_tokens,
         }
     copies: dict[int, CopyView] = {}
     for cid, c in trie._transfers.inflight.items():
@@ -74,9 +78,13 @@ def snapshot(trie: BlockTrie) -> Snapshot:
             "pins": [r.checkpoint.serial for r in c.receipts],
             "done": done,
             "state": c.state,
+            "host_blocks": list(c.host_blocks),
+            "nodes": [n.serial for n in c.nodes],
         }
     kv = trie._kv
     slots = trie._slots
+    host = trie._host
+    host_pool = trie._host_pool
     return {
         "block_size": trie.config.block_size,
         "capacity": kv.capacity,
@@ -95,6 +103,11 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "event_blocks": trie._events.replayed_blocks(),
         "event_checkpoint_slots": trie._events.replayed_checkpoint_slots(),
         "stats": dict(trie.stats.counters()),
+        "host_capacity": host_pool.capacity,
+        "free_host_blocks": host_pool.free_ids(),
+        "host_refcounts": dict(enumerate(host_pool.refs)),
+        "host_index": [] if host is None else [n.serial for n in host.index],
+        "event_host_blocks": trie._events.replayed_host_blocks() if host is not None else None,
     }
 
 

@@ -1,4 +1,4 @@
-"""The KV block pool: storage, reference counts and the free list."""
+"""KV block pools: storage, reference counts and the free list (device and host tiers)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ class KVBlockPool:
     `incref`/`decref` move counts; a decref to 0 returns the block to the free
     list. Driving a count below zero, or referencing a free block, raises
     `CacheError` and changes nothing.
+
+    The same class is the host tier's pool (`name="host tier"`, on the CPU, in
+    page-locked memory when the device is CUDA so copies can be asynchronous).
     """
 
-    __slots__ = ("_faults", "_free", "capacity", "refs", "tensor")
+    __slots__ = ("_fault_point", "_faults", "_free", "capacity", "name", "refs", "tensor")
 
     def __init__(
         self,
@@ -27,11 +30,21 @@ class KVBlockPool:
         dtype: torch.dtype,
         device: torch.device,
         faults: Faults,
+        *,
+        name: str = "KV",
+        pin_memory: bool = False,
     ) -> None:
         self.capacity = num_blocks
+        self.name = name
+        """"KV" for the device pool, "host tier" for the host tier (errors name it)."""
         self.tensor: torch.Tensor | None = (
-            None if shape is None else torch.zeros((num_blocks, *shape), dtype=dtype, device=device)
+            None
+            if shape is None or num_blocks == 0
+            else torch.zeros(
+                (num_blocks, *shape), dtype=dtype, device=device, pin_memory=pin_memory
+            )
         )
+        self._fault_point = "kv.take" if name == "KV" else "host.take"
         self.refs: list[int] = [0] * num_blocks
         # A stack: the lowest ids are handed out first on a fresh pool.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -48,9 +61,9 @@ class KVBlockPool:
 
     def take(self, n: int) -> list[int]:
         """Take `n` free blocks with reference count 1; all or nothing."""
-        self._faults.check("kv.take")
+        self._faults.check(self._fault_point)
         if n > len(self._free):
-            raise OutOfBlocks(f"KV pool: {n} blocks wanted, {len(self._free)} free")
+            raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {len(self._free)} free")
         free = self._free
         taken = free[len(free) - n :]
         del free[len(free) - n :]
@@ -63,14 +76,16 @@ class KVBlockPool:
     def incref(self, block: int) -> None:
         """Add one reference to a block that is in use."""
         if self.refs[block] <= 0:
-            raise CacheError(f"KV pool: block {block} is free; cannot take a reference to it")
+            raise CacheError(
+                f"{self.name} pool: block {block} is free; cannot take a reference to it"
+            )
         self.refs[block] += 1
 
     def decref(self, block: int) -> bool:
         """Drop one reference; returns True when the block became free."""
         count = self.refs[block]
         if count <= 0:
-            raise CacheError(f"KV pool: block {block} is already free (double free)")
+            raise CacheError(f"{self.name} pool: block {block} is already free (double free)")
         count -= 1
         self.refs[block] = count
         if count == 0:
@@ -85,7 +100,9 @@ class KVBlockPool:
             if refs[block] <= 0:
                 for done in blocks[:i]:
                     refs[done] -= 1
-                raise CacheError(f"KV pool: block {block} is free; cannot take a reference to it")
+                raise CacheError(
+                    f"{self.name} pool: block {block} is free; cannot take a reference to it"
+                )
             refs[block] += 1
 
     def decref_all(self, blocks: list[int]) -> None:
@@ -99,7 +116,7 @@ class KVBlockPool:
                     if refs[done] == 0:
                         free.pop()  # it was the last block appended
                     refs[done] += 1
-                raise CacheError(f"KV pool: block {block} is already free (double free)")
+                raise CacheError(f"{self.name} pool: block {block} is already free (double free)")
             refs[block] = count - 1
             if count == 1:
                 free.append(block)

@@ -9,8 +9,9 @@ from collections.abc import Hashable
 from typing import Any, NoReturn
 
 from cache.keys import HashedKey, key_extra, key_tokens
+from spec.lifecycle import Residency
 
-__all__ = ["NO_CHILDREN", "Checkpoint", "HashedKey", "Node", "child_of"]
+__all__ = ["NO_BLOCK", "NO_CHILDREN", "Checkpoint", "HashedKey", "Node", "child_of"]
 
 
 class _NoChildren(dict[Hashable, "Node"]):
@@ -39,15 +40,24 @@ NO_CHILDREN: dict[Hashable, Node] = _NoChildren()
 _new_object = object.__new__
 
 
+NO_BLOCK = -1
+"""`Node.block` of a node that owns no device block: a root, or an `offloaded` node."""
+
+_DEVICE = Residency.DEVICE.value  # a new node's residency
+
+
 class Node:
-    """One full KV block of one prefix, or a namespace root (`block == -1`).
+    """One full KV block of one prefix, or a namespace root (`key is None`).
 
     `key` is what the parent's `children` dict is keyed by (`cache.keys`): the
     block's packed token ids, or `(packed, extra)` when the block has an extra
     identity (wrapped by `HashedKey` when a test injects a key hash); `tokens`
     unpacks them. `state` is the stored
     lifecycle state (`spec.lifecycle.NodeState` values; `ROOT` for roots).
-    `tick`/`serial` order eviction; `block_hash` is the chained hash that
+    `block` is its device block, `NO_BLOCK` for a root or while its KV lives
+    only on the host tier; `host` its host block (`NO_BLOCK` when none) and
+    `residency` a `spec.lifecycle.Residency` value (always `device` without a
+    host tier). `tick`/`serial` order eviction; `block_hash` is the chained hash that
     events carry. Built by keyword only.
 
     `children` has three shapes, kept by `attach_child` / `detach_child`
@@ -64,9 +74,11 @@ class Node:
         "block_hash",
         "checkpoint",
         "children",
+        "host",
         "key",
         "namespace",
         "parent",
+        "residency",
         "serial",
         "state",
         "tick",
@@ -94,6 +106,8 @@ class Node:
         self.state = state
         self.children: Node | dict[Hashable, Node] = NO_CHILDREN
         self.checkpoint: Checkpoint | None = None
+        self.host = NO_BLOCK
+        self.residency = _DEVICE
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -188,6 +202,8 @@ def child_of(
     node.state = state
     node.children = NO_CHILDREN
     node.checkpoint = None
+    node.host = NO_BLOCK
+    node.residency = _DEVICE
     return node
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from spec.lifecycle import ReceiptState
 
 if TYPE_CHECKING:
+    from cache.copies import Copy
     from cache.node import Checkpoint, Node
 
 
@@ -70,6 +71,8 @@ class Sequence:
     - `restore`: None, or the `RestorePoint` to restore SSM state from.
     - `branch_step`: where the request leaves the cached KV path.
     - `num_committed_tokens`: tokens whose KV is committed.
+    - `num_host_tokens`: with a host tier, how much of the hit was not on the
+      device when matched: it must be loaded before prefill (`BlockTrie.load`).
     """
 
     __slots__ = (
@@ -77,12 +80,16 @@ class Sequence:
         "blocks",
         "branch_step",
         "extra",
+        "host_path",
         "keys",
         "live",
+        "load_failed",
+        "loads",
         "match_receipt",
         "namespace",
         "num_cached_tokens",
         "num_committed_tokens",
+        "num_host_tokens",
         "owner",
         "path",
         "query_tokens",
@@ -117,6 +124,10 @@ class Sequence:
         self.match_receipt: PinReceipt | None = None
         self.restored = False
         self.live = True
+        self.num_host_tokens = 0
+        self.host_path: list[Node] = []  # matched host-only nodes, not yet loaded
+        self.loads: list[Copy] = []  # load copies its block table waits on
+        self.load_failed = False
 
     @property
     def tokens(self) -> tuple[int, ...]:

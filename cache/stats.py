@@ -27,6 +27,10 @@ class CacheStats:
     restores: int
     copies_reaped: int
     copies_failed: int
+    host_hit_tokens: int
+    loaded_blocks: int
+    stored_blocks: int
+    host_evicted_blocks: int
     peak_pins: int
     pins: int
 

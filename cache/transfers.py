@@ -1,4 +1,5 @@
-"""Copy orchestration: build, launch and reap the copies of saves and restores.
+"""Copy orchestration: build, launch and reap the copies of saves and restores, and
+reap the host tier's store and load copies.
 
 `Transfers` owns the registry of in-flight copies (queued, not yet reaped) and
 is the only place a copy's pins and block references are released ([R35]):
@@ -18,6 +19,7 @@ settling a block's owner when a reaped copy drops its reference.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,9 +30,15 @@ from cache.kv_pool import KVBlockPool
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
 from spec.errors import CacheError
-from spec.lifecycle import CopyState, CopyTrigger
+from spec.lifecycle import CopyKind, CopyState, CopyTrigger
+
+if TYPE_CHECKING:
+    from cache.host_tier import HostTier
+    from cache.node import Node
 
 _QUEUED = CopyState.QUEUED.value
+_LOAD = CopyKind.LOAD.value
+_STORE = CopyKind.STORE.value
 
 
 class Transfers:
@@ -44,7 +52,9 @@ class Transfers:
         "_slots",
         "_stats",
         "engine",
+        "host",
         "inflight",
+        "on_load_failed",
     )
 
     def __init__(
@@ -64,6 +74,18 @@ class Transfers:
         self._stats = stats
         self._serial = 0
         self.inflight: dict[int, Copy] = {}
+        self.host: HostTier | None = None
+        """The host tier whose store and load copies this reaps (None without one)."""
+        self.on_load_failed: Callable[[list[Node]], None] = _ignore
+        """Called with the nodes of a failed load once it is reaped (the trie cuts
+        the requests that read them)."""
+
+    def number(self, copy: Copy) -> Copy:
+        """Give a copy built elsewhere (the host tier's) this trie's next serial."""
+        self._serial += 1
+        copy.serial = self._serial
+        copy._on_fail = self._failed
+        return copy
 
     def build(
         self,
@@ -101,6 +123,23 @@ class Transfers:
             copy.blocks.append(seq_block)
         return copy
 
+    def hold(self, copy: Copy, blocks: list[int], host_blocks: list[int]) -> None:
+        """`copy` takes a reference on each device and host block it reads or writes;
+        they are released when it is reaped, never before ([R35])."""
+        self._kv.incref_all(blocks)
+        copy.blocks.extend(blocks)
+        if host_blocks:
+            host = self.host
+            if host is None:
+                raise CacheError(f"{copy!r} holds host blocks, but there is no host tier")
+            host.pool.incref_all(host_blocks)
+            copy.host_blocks.extend(host_blocks)
+
+    def _release_host_blocks(self, copy: Copy) -> None:
+        if copy.host_blocks and self.host is not None:
+            self.host.pool.decref_all(copy.host_blocks)
+        copy.host_blocks.clear()
+
     def launch(self, copy: Copy, undo: Callable[[], None]) -> None:
         """Queue `copy`; reap it at once if it finished when queued ([R37]).
 
@@ -121,6 +160,7 @@ class Transfers:
             for block in copy.blocks:
                 self._kv.decref(block)
             copy.blocks.clear()
+            self._release_host_blocks(copy)
             undo()
             if isinstance(exc, Exception):
                 raise CacheError(f"{copy.kind}: the copy failed and was undone: {exc}") from exc
@@ -131,7 +171,19 @@ class Transfers:
 
     def _failed(self, copy: Copy) -> None:
         """A queued copy failed ([R46]): a save's checkpoint will never hold its
-        data, so it is withdrawn, and the queued restores that read it fail too."""
+        data, so it is withdrawn, and the queued restores that read it fail too;
+        a load's blocks will never arrive, so the queued loads ordered after it
+        fail too ([R50])."""
+        if copy.kind == _LOAD:
+            for other in list(self.inflight.values()):
+                if (
+                    other is not copy
+                    and other.kind == _LOAD
+                    and other.state == _QUEUED
+                    and other.resources & copy.resources
+                ):
+                    other._fail()
+            return
         if copy.kind != "save" or not copy.receipts:
             return
         ck = copy.receipts[0].checkpoint
@@ -150,6 +202,14 @@ class Transfers:
         copy.fire(CopyTrigger.REAP)
         if copy.failed:
             self._stats.copies_failed += 1
+        failed_loads: list[Node] = []
+        host = self.host
+        self._release_host_blocks(copy)
+        if host is not None and copy.nodes:
+            if copy.kind == _STORE:
+                host.stored(copy)
+            else:
+                failed_loads = host.loaded(copy)
         checkpoints = self._checkpoints
         for receipt in copy.receipts:
             checkpoints.unpin(receipt)
@@ -159,6 +219,8 @@ class Transfers:
             kv.decref(block)
             evictor.settle_block(block)
         self._stats.copies_reaped += 1
+        if failed_loads:
+            self.on_load_failed(failed_loads)
 
     def poll(self) -> int:
         """Reap every finished copy, oldest first; returns how many."""
@@ -166,3 +228,7 @@ class Transfers:
         for copy in finished:
             self.reap(copy)
         return len(finished)
+
+
+def _ignore(nodes: list[Node]) -> None:
+    """The default `on_load_failed`: no requests to cut."""

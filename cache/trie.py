@@ -10,6 +10,8 @@ validates its input ([R1]-[R5]), plans, takes resources, then mutates
   room;
 - `cache.checkpoints.CheckpointStore`: checkpoint lifecycle, pins, receipts;
 - `cache.transfers.Transfers`: save / restore copies until they are reaped;
+- `cache.host_tier.HostTier`: the host-memory tier, its eviction, and where
+  each block's KV lives (store / load copies);
 - `cache.keys`: block keys and identities; `cache.event_log`: events;
 - `cache.inspection`: `snapshot()` and `check()`.
 
@@ -30,6 +32,7 @@ modules above.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Hashable, Mapping
 
@@ -43,9 +46,10 @@ from cache.event_log import EventLog
 from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
+from cache.host_tier import HostTier
 from cache.keys import block_identity, key_packed, request_keys
 from cache.kv_pool import KVBlockPool
-from cache.node import Checkpoint, Node, child_of
+from cache.node import NO_BLOCK, Checkpoint, Node, child_of
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -56,16 +60,18 @@ from spec.errors import (
     CheckpointError,
     ConcurrentUse,
     ConfigError,
+    HostTierError,
     InvalidArgument,
     InvalidType,
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, CheckpointTrigger, NodeState
+from spec.lifecycle import CHECKPOINT, CheckpointTrigger, CopyKind, NodeState, Residency
 from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
+_LOADING = Residency.LOADING.value
 
 
 class BlockTrie:
@@ -112,12 +118,21 @@ class BlockTrie:
                 self.device,
                 self.faults,
             )
+            host_pool = KVBlockPool(
+                config.num_host_blocks,
+                config.kv_block_shape,
+                config.kv_dtype,
+                torch.device("cpu"),
+                self.faults,
+                name="host tier",
+                pin_memory=config.host_tier and self.device.type == "cuda",
+            )
         except (MemoryError, RuntimeError) as exc:
             raise ConfigError(
                 f"cannot allocate the pools of {config.num_blocks} KV blocks "
-                f"({config.kv_bytes_per_block()} B each) and {config.num_checkpoint_slots} "
-                f"checkpoint slots ({config.state_bytes_per_slot()} B each) on "
-                f"{self.device}: {exc}"
+                f"({config.kv_bytes_per_block()} B each), {config.num_host_blocks} host blocks "
+                f"and {config.num_checkpoint_slots} checkpoint slots "
+                f"({config.state_bytes_per_slot()} B each) on {self.device}: {exc}"
             ) from None
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
@@ -127,11 +142,19 @@ class BlockTrie:
         self._checkpoints = CheckpointStore(
             self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
-        self._evictor = Evictor(self._kv, self._checkpoints, self.stats, self._events)
+        self._host: HostTier | None = None
+        if config.host_tier:
+            self._host = HostTier(host_pool, self._kv, self.stats, self._events)
+        self._host_pool = host_pool
+        self._evictor = Evictor(self._kv, self._checkpoints, self.stats, self._events, self._host)
+        if self._host is not None:
+            self._host.bind(self._evictor)
         self._checkpoints.on_pins_changed = self._evictor.settle
         self._transfers = Transfers(
             engine, self._kv, self._slots, self._checkpoints, self._evictor, self.stats
         )
+        self._transfers.host = self._host
+        self._transfers.on_load_failed = self._cut_failed_loads
         self._roots: dict[str, Node] = {}
         self._clock = 0
         self._node_serial = 0
@@ -161,6 +184,27 @@ class BlockTrie:
     def num_evictable_blocks(self) -> int:
         """Nodes in the eviction index (evictable leaves right now)."""
         return len(self._evictor.index)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host-tier blocks in its free list (0 without a host tier)."""
+        return self._host_pool.num_free
+
+    @property
+    def num_host_cached_blocks(self) -> int:
+        """Host-tier blocks owned by attached nodes (0 without a host tier)."""
+        return 0 if self._host is None else self._host.num_cached
+
+    @property
+    def num_evictable_host_blocks(self) -> int:
+        """Nodes in the host eviction index (host-only leaves no request reads)."""
+        return 0 if self._host is None else len(self._host.index)
+
+    @property
+    def host_cache(self) -> torch.Tensor | None:
+        """The host-tier pool tensor `[num_host_blocks, *kv_block_shape]` (None for
+        ids only or without a host tier)."""
+        return self._host_pool.tensor
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -225,7 +269,7 @@ class BlockTrie:
             root = Node(
                 parent=None,
                 key=None,
-                block=-1,  # roots own no block; `block < 0` marks a root everywhere
+                block=NO_BLOCK,  # a root owns no block; `key is None` marks a root
                 namespace=namespace,
                 serial=-1 - len(self._roots),
                 tick=0,
@@ -274,9 +318,14 @@ class BlockTrie:
                     node = child
             usable = min(len(path), (len(toks) - 1) // size)
             ck: Checkpoint | None = None
+            host_nodes: list[Node] = []
+            waits: list[Copy] = []
+            waiting = 0
             if not self._ssm:
                 depth = usable
                 hit = usable * size
+                if self._host is not None:
+                    depth, host_nodes, waits, waiting = self._host.split(path, usable)
             else:
                 if root is not None:
                     ck = CheckpointStore.deepest_match(root, path, toks, ext, usable, size)
@@ -295,6 +344,12 @@ class BlockTrie:
                     self._evictor.settle(node)
             seq.path = held
             seq.blocks = blocks
+            if host_nodes or waits:  # [R50]
+                self._host.pin(host_nodes)  # type: ignore[union-attr]
+                seq.host_path = host_nodes
+                seq.loads = waits
+                seq.num_host_tokens = (len(host_nodes) + waiting) * size
+                self.stats.host_hit_tokens += seq.num_host_tokens
             if ck is not None:
                 seq.match_receipt = self._checkpoints.pin(ck)
                 seq.restore = RestorePoint(ck)
@@ -339,6 +394,8 @@ class BlockTrie:
                 raise InvalidArgument(
                     f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
                 )
+            if seq.host_path or seq.load_failed:
+                self._refuse_unloaded("allocate", seq)
             need = -(-n // self._block_size) - len(seq.blocks)
             if need <= 0:
                 return
@@ -346,6 +403,143 @@ class BlockTrie:
             seq.blocks.extend(self._kv.take(need))
         finally:
             self._gate.release()
+
+    def _refuse_unloaded(self, operation: str, seq: Sequence) -> None:
+        """Raise for an operation that needs `seq`'s whole hit on the device ([R50])."""
+        if seq.load_failed:
+            raise HostTierError(
+                f"{operation}: the load of {seq!r}'s host-resident blocks failed; abort it"
+            )
+        raise HostTierError(
+            f"{operation}: {seq!r} has {len(seq.host_path)} matched blocks in the host tier; "
+            "call load(seq) first"
+        )
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, seq: Sequence) -> Copy | None:
+        """Queue host -> device for the host-resident part of `seq`'s hit ([R50]).
+
+        Takes a device block for each matched block that lives only on the
+        host (making room as `allocate` does) and queues one copy for them; a
+        block another request is already loading is shared: this request
+        waits on that copy, never starts a second one. Returns the copy to wait
+        on before prefill (it finishes after every load this request depends
+        on), or None when nothing is left to load. Once it finishes,
+        `seq.block_ids` cover the whole hit. Raises `OutOfBlocks` when no room
+        can be made (nothing changed), `HostTierError` when a load it waited on
+        failed.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("load()")
+        try:
+            self._check_live(seq)
+            if seq.load_failed:
+                self._refuse_unloaded(CopyKind.LOAD.value, seq)
+            host = self._host
+            nodes = seq.host_path
+            if any(c.failed for c in seq.loads):
+                raise HostTierError(f"load: a load {seq!r} waits on failed; abort it")
+            pending = [c for c in seq.loads if not c.done]
+            if host is None or not nodes:
+                if len(pending) <= 1:
+                    return pending[0] if pending else None
+                return self._launch_load(seq, [], [], pending)
+            own = [node for node in nodes if node.block == NO_BLOCK]
+            shared = [node for node in nodes if node.block != NO_BLOCK]
+            for node in shared:
+                if node.residency == _LOADING and host.loading[node].failed:
+                    raise HostTierError(
+                        f"load: {host.loading[node]!r}, loading a block {seq!r} reads, "
+                        "failed; poll() and load again (it will be loaded anew)"
+                    )
+            blocks = self._blocks_for_load(shared, len(own))
+            for node, block in zip(own, blocks, strict=True):
+                self._evictor.attach_block(node, block)
+            for node in shared:
+                if node.residency == _LOADING:
+                    copy = host.loading[node]
+                    if not copy.done and copy not in pending:
+                        pending.append(copy)
+            return self._launch_load(seq, own, shared, pending)
+        finally:
+            self._gate.release()
+
+    def _blocks_for_load(self, shared: list[Node], need: int) -> list[int]:
+        """Hold the device blocks of `shared` for the request, then take `need` free
+        blocks (making room as `allocate` does). Holding first is what keeps
+        room-making from evicting a block this very load will read; on failure
+        nothing is held."""
+        kv = self._kv
+        evictor = self._evictor
+        kv.incref_all([node.block for node in shared])
+        for node in shared:
+            evictor.settle(node)  # held now: out of the eviction index
+        try:
+            evictor.make_room(need)
+            return kv.take(need)
+        except BaseException:
+            kv.decref_all([node.block for node in shared])
+            for node in shared:
+                evictor.settle(node)
+            raise
+
+    def _launch_load(
+        self, seq: Sequence, own: list[Node], shared: list[Node], pending: list[Copy]
+    ) -> Copy | None:
+        """Queue the load of `own` (device blocks attached already) after `pending`,
+        moving `seq`'s host part onto its path; undone if queuing fails.
+
+        Returns the copy to wait on: the new one; or, with nothing of its own
+        to load, the one pending copy (shared, not repeated), an empty copy
+        ordered after several, or None."""
+        host = self._host
+        if host is None:  # `load` without a host tier waits on nothing it queues
+            raise HostTierError("load: this cache has no host tier")
+        kv = self._kv
+        if not own and len(pending) <= 1:
+            host.unpin(shared)  # their device blocks are the request's now
+            seq.path.extend(seq.host_path)
+            seq.blocks.extend(node.block for node in seq.host_path)
+            seq.host_path = []
+            seq.loads = pending
+            return pending[0] if pending else None
+        waits_on = [b for c in pending for kind, b in c.resources if kind == "block"]
+        copy = self._transfers.number(host.load_moves(own, waits_on))
+        for node in own:
+            host.begin_load(node)
+            kv.incref(node.block)  # the request's reference
+            host.loading[node] = copy
+            copy.nodes.append(node)
+        self._transfers.hold(copy, [n.block for n in own], [n.host for n in own])
+        host.unpin(own)  # the copy holds their host blocks now
+        host.unpin(shared)  # their device blocks are the request's now
+        for node in own:
+            self._evictor.settle(node)
+        nodes = seq.host_path
+        old_loads = seq.loads
+        seq.path.extend(nodes)
+        seq.blocks.extend(node.block for node in nodes)
+        seq.host_path = []
+        seq.loads = [*pending, copy] if own else pending
+
+        def undo() -> None:
+            del seq.path[len(seq.path) - len(nodes) :]
+            del seq.blocks[len(seq.blocks) - len(nodes) :]
+            seq.host_path = nodes
+            seq.loads = old_loads
+            host.pin(nodes)  # the request's host references, as after match
+            for node in shared:
+                kv.decref(node.block)
+            for node in own:
+                del host.loading[node]
+                kv.decref(node.block)  # the request's (the copy's went with the copy)
+                node.residency = Residency.HOST.value
+                self._evictor.detach_block(node)
+                host.settle(node)
+
+        self._transfers.launch(copy, undo)
+        return copy
 
     # ---------------------------------------------------------------- commit
 
@@ -363,6 +557,8 @@ class BlockTrie:
         try:
             self._check_live(seq)
             n = int_arg("num_tokens", num_tokens)
+            if seq.host_path or seq.load_failed:
+                self._refuse_unloaded("commit", seq)
             size = self._block_size
             covered = min(len(seq.token_list), len(seq.blocks) * size)
             if not seq.num_committed_tokens <= n <= covered:
@@ -379,6 +575,9 @@ class BlockTrie:
                 keys.extend(
                     request_keys(seq.token_list, ext, size, self._key_hash, len(keys), full)
                 )
+            host = self._host
+            if host is not None and start < full:
+                self._check_loads_done(seq, keys, start, full)
             self._clock += 1  # [R7]
             tick = self._clock
             if start >= full:
@@ -395,7 +594,9 @@ class BlockTrie:
                     child = children if children.key == key else None
                 else:
                     child = children.get(key)  # type: ignore[union-attr]
-                if child is not None:  # [R18]
+                if child is not None and child.block == NO_BLOCK:  # [R49]
+                    self._adopt(child, seq.blocks[i], tick)
+                elif child is not None:  # [R18]
                     own = seq.blocks[i]
                     kv.incref(child.block)
                     seq.blocks[i] = child.block
@@ -413,8 +614,83 @@ class BlockTrie:
             first = full - len(stored)
             self._events.stored(stored, keys[first:full], seq.blocks[first:full], size)
             seq.num_committed_tokens = n
+            if host is not None and stored:
+                self._store(stored)
         finally:
             self._gate.release()
+
+    def _check_loads_done(self, seq: Sequence, keys: list[Hashable], start: int, full: int) -> None:
+        """Refuse (changing nothing) a commit that would read or share a block whose
+        load has not finished ([R50]): the request's own loads, or a block another
+        request is loading that this commit would deduplicate against."""
+        for copy in seq.loads:
+            if copy.failed or not copy.done:
+                raise HostTierError(
+                    f"commit: {seq!r} reads blocks that {copy!r} is loading"
+                    + ("; it failed: abort the request" if copy.failed else "; wait for it")
+                )
+        seq.loads = []
+        node = seq.path[-1] if seq.path else self._roots.get(seq.namespace)
+        host = self._host
+        for i in range(start, full):
+            if node is None:
+                return
+            node = node.child(keys[i])
+            if node is not None and node.residency == _LOADING and host is not None:
+                copy = host.loading[node]
+                if copy.failed:
+                    raise HostTierError(
+                        f"commit: block {i} of {seq!r} equals a block whose load {copy!r} "
+                        "failed; poll() and commit again (the computed block is adopted)"
+                    )
+                if not copy.done:
+                    raise HostTierError(
+                        f"commit: block {i} of {seq!r} is being loaded by {copy!r}; "
+                        "commit it once that copy is done"
+                    )
+
+    def _adopt(self, node: Node, block: int, tick: int) -> None:
+        """A commit computed `node`'s block while its KV lived only on the host
+        ([R49]): the request's block becomes its device copy."""
+        host = self._host
+        if host is None:
+            raise HostTierError(f"commit: {node!r} has no device block and no host tier")
+        self._kv.incref(block)  # the trie's reference; the request keeps its own
+        self._evictor.attach_block(node, block)
+        host.adopt(node)
+        node.tick = tick  # [R8]
+        self._evictor.settle(node)
+        self._events.back_on_device([node])
+
+    def _store(self, nodes: list[Node]) -> None:
+        """Write-through ([R47]): queue one copy of the blocks just attached to the
+        host tier, each into a host block (evicting host LRU leaves for room;
+        the blocks past the last one that finds room stay device-only)."""
+        host = self._host
+        if host is None:
+            return
+        storing: list[Node] = []
+        for node in nodes:
+            host_block = host.reserve_for_store()
+            if host_block is None:
+                break
+            host.begin_store(node, host_block)
+            storing.append(node)
+        if not storing:
+            return
+        copy = self._transfers.number(host.store_moves(storing))
+        # It reads each device block and writes each host block until reaped.
+        self._transfers.hold(copy, [n.block for n in storing], [n.host for n in storing])
+        copy.nodes = storing
+
+        def undo() -> None:
+            for node in storing:
+                node.residency = Residency.DEVICE.value
+                host.pool.decref(node.host)  # the node's: the block is free again
+                node.host = NO_BLOCK
+
+        with contextlib.suppress(CacheError):  # a failed store is undone: device-only
+            self._transfers.launch(copy, undo)
 
     def _attach(self, parent: Node, key: Hashable, extra: Hashable, block: int, tick: int) -> Node:
         self._kv.incref(block)
@@ -475,6 +751,7 @@ class BlockTrie:
             stats.queries -= 1
             stats.query_tokens -= seq.query_tokens
             stats.hit_tokens -= seq.num_cached_tokens
+            stats.host_hit_tokens -= seq.num_host_tokens
             if seq.restore is not None:
                 stats.checkpoint_hits -= 1
             self._drop(seq)
@@ -485,6 +762,10 @@ class BlockTrie:
         if seq.match_receipt is not None:
             self._checkpoints.unpin(seq.match_receipt)
             seq.match_receipt = None
+        if seq.host_path:
+            self._host.unpin(seq.host_path)  # type: ignore[union-attr]
+            seq.host_path = []
+        seq.loads = []
         self._kv.decref_all(seq.blocks)
         if seq.path:
             # Every other path node has a child (the next one), so it stays
@@ -512,6 +793,32 @@ class BlockTrie:
             return self._evictor.evict(n)
         finally:
             self._gate.release()
+
+    def evict_host(self, n: int) -> int:
+        """Free up to `n` host-tier blocks: LRU host-only leaves that no request reads
+        ([R51]). Returns how many (0 without a host tier); device blocks and
+        blocks a copy or a request holds are never touched. Raises
+        `InvalidArgument` for a negative count."""
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("evict_host()")
+        try:
+            count = int_arg("n", n)
+            if count < 0:
+                raise InvalidArgument(f"evict_host: n must be >= 0, got {count}")
+            return 0 if self._host is None else self._host.evict(count)
+        finally:
+            self._gate.release()
+
+    def _cut_failed_loads(self, nodes: list[Node]) -> None:
+        """A load failed ([R50]): every live request whose path reads one of `nodes`
+        loses its path from there and can only be released or aborted."""
+        failed = set(map(id, nodes))
+        for seq in self._live.values():
+            for i, node in enumerate(seq.path):
+                if id(node) in failed:
+                    del seq.path[i:]
+                    seq.load_failed = True
+                    break
 
     def evict_checkpoints(self, n: int) -> int:
         """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes
@@ -543,6 +850,8 @@ class BlockTrie:
                 )
             with self._events.muted():
                 self._evictor.evict(self._kv.capacity)
+                if self._host is not None:
+                    self._host.evict(self._host_pool.capacity)
                 for root in self._roots.values():
                     if root.checkpoint is not None:
                         self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
@@ -589,6 +898,8 @@ class BlockTrie:
                     f"save: step={step} needs the partial block {depth} allocated in {seq!r}"
                 )
             runtime = self._slots.check_runtime(runtime_state)
+            if seq.host_path or seq.load_failed:
+                self._refuse_unloaded("save", seq)
 
             root = self._roots.get(seq.namespace)
             anchor = seq.path[depth - 1] if depth else root

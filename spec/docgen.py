@@ -21,7 +21,10 @@ from pathlib import Path
 
 from spec.lifecycle import (
     LIFECYCLES,
+    RESIDENCY_EVICTIONS,
+    RESIDENCY_PINS,
     Lifecycle,
+    Residency,
     implied_checkpoint_state,
     implied_copy_state,
     implied_node_state,
@@ -61,18 +64,25 @@ def _table(life: Lifecycle) -> str:
 def _implied_tables() -> list[str]:
     """Truth tables of the `implied_*` functions, computed by calling them."""
     node_rows = [
-        "| root | attached | leaf | block refs | pins | state |",
-        "|---|---|---|---|---|---|",
+        "| root | attached | on device | leaf | block refs | pins | state |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for root, attached, leaf, refs, pins in itertools.product(
-        (False, True), (True, False), (True, False), (1, 2), (0, 1)
+    for root, attached, on_device, leaf, refs, pins in itertools.product(
+        (False, True), (True, False), (True, False), (True, False), (1, 2), (0, 1)
     ):
-        if root and not attached:
+        if (root and not attached) or (not on_device and (root or not attached or refs > 1)):
             continue
         state = implied_node_state(
-            attached=attached, leaf=leaf, block_refs=refs, pins=pins, root=root
+            attached=attached,
+            leaf=leaf,
+            block_refs=refs,
+            pins=pins,
+            root=root,
+            on_device=on_device,
         ).value
-        node_rows.append(f"| {root} | {attached} | {leaf} | {refs} | {pins} | `{state}` |")
+        node_rows.append(
+            f"| {root} | {attached} | {on_device} | {leaf} | {refs} | {pins} | `{state}` |"
+        )
     ck_rows = ["| present | published | pins | state |", "|---|---|---|---|"]
     for present, published, pins in itertools.product((True, False), (True, False), (0, 1)):
         state = implied_checkpoint_state(present=present, published=published, pins=pins).value
@@ -129,8 +139,29 @@ def render() -> str:
             _table(life),
             "",
         ]
+    parts += _residency_tables()
     parts += _implied_tables()
     return "\n".join(parts)
+
+
+def _residency_tables() -> list[str]:
+    """What each residency pins and which eviction may touch it (`spec.lifecycle`)."""
+    rows = [
+        "## What each residency holds",
+        "",
+        "With a host tier, a node's KV residency composes with its node state: a",
+        "node is `offloaded` exactly when its residency is `host`. An in-flight copy",
+        "holds a reference on every block it reads or writes until it is reaped",
+        "(`RESIDENCY_PINS`), and each eviction touches only the residencies listed",
+        "(`RESIDENCY_EVICTIONS`).",
+        "",
+        "| residency | held by its copy | eviction |",
+        "|---|---|---|",
+    ]
+    for residency in Residency:
+        pins = "; ".join(RESIDENCY_PINS[residency]) or "nothing"
+        rows.append(f"| `{residency.value}` | {pins} | {RESIDENCY_EVICTIONS[residency]} |")
+    return [*rows, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

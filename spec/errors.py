@@ -83,3 +83,8 @@ class ConcurrentUse(CacheError):
 class CopyFailed(CacheError):
     """A save or restore copy did not deliver its data (it failed, or read data
     whose own copy failed). Its pins are released when it is reaped."""
+
+
+class HostTierError(CacheError):
+    """An operation needs a request's whole hit on the device, but part of it is still
+    in the host tier (call `load` first) or its load failed (abort the request)."""

@@ -13,9 +13,11 @@ from collections.abc import Callable, Hashable
 
 from spec.errors import InvariantViolation
 from spec.lifecycle import (
+    RESIDENCY_PINS,
     CheckpointState,
     CopyState,
     NodeState,
+    Residency,
     implied_checkpoint_state,
     implied_copy_state,
     implied_node_state,
@@ -28,6 +30,12 @@ Problems = list[str]
 def _attached(snap: Snapshot) -> dict[int, int]:
     """block id -> node id, for attached non-root nodes."""
     return {n["block"]: nid for nid, n in snap["nodes"].items() if n["block"] is not None}
+
+
+def _device_leaf(snap: Snapshot, node_id: int) -> bool:
+    """No child of the node owns a device block (with no host tier: no children)."""
+    nodes = snap["nodes"]
+    return all(nodes[c]["block"] is None for c in nodes[node_id]["children"] if c in nodes)
 
 
 def _receipts(snap: Snapshot) -> Counter[int]:
@@ -101,8 +109,8 @@ def eviction_safety(snap: Snapshot) -> Problems:
         if node is None:
             problems.append(f"evictable index holds detached node {nid}")
             continue
-        if node["children"]:
-            problems.append(f"evictable node {nid} has children")
+        if not _device_leaf(snap, nid):
+            problems.append(f"evictable node {nid} has children on the device")
         if node["block"] is None or snap["refcounts"].get(node["block"], 0) != 1:
             problems.append(f"evictable node {nid}: its block is held beyond the trie")
         cid = node["checkpoint"]
@@ -228,10 +236,11 @@ def explicit_state(snap: Snapshot) -> Problems:
         refs = snap["refcounts"].get(block, 0) if block is not None else 0
         implied = implied_node_state(
             attached=True,
-            leaf=not node["children"],
+            leaf=_device_leaf(snap, nid),
             block_refs=refs,
             pins=pins,
             root=node["parent"] is None,
+            on_device=block is not None,
         ).value
         if node["state"] != implied:
             problems.append(f"node {nid}: stored state {node['state']!r}, facts imply {implied!r}")
@@ -242,6 +251,20 @@ def explicit_state(snap: Snapshot) -> Problems:
         problems.append(
             f"eviction index {snap['evictable_index']} != evictable nodes by (tick, serial) "
             f"{expected_order}"
+        )
+    host_leaves = sorted(
+        (node["tick"], node["serial"], nid)
+        for nid, node in nodes.items()
+        if node["state"] == NodeState.OFFLOADED.value
+        and not node["children"]
+        and node["block_host"] is not None
+        and snap["host_refcounts"].get(node["block_host"], 0) == 1
+    )
+    expected_host = [nid for _, _, nid in host_leaves]
+    if snap["host_index"] != expected_host:
+        problems.append(
+            f"host eviction index {snap['host_index']} != offloaded leaves no request reads, "
+            f"by (tick, serial) {expected_host}"
         )
     published: list[tuple[int, int, int]] = []
     for cid, ck in checkpoints.items():
@@ -298,12 +321,18 @@ def accounting(snap: Snapshot) -> Problems:
 
 
 def events(snap: Snapshot) -> Problems:
-    """10. Replaying the emitted events yields exactly the cached block set (and, for
-    checkpoint events, exactly the slots of the matchable checkpoints)."""
+    """10. Replaying the emitted events yields exactly the cached block set (blocks
+    still loading from the host tier excluded), and, for checkpoint events, exactly
+    the slots of the matchable checkpoints."""
     problems: Problems = []
     replayed = snap["event_blocks"]
     if replayed is not None:
-        cached = set(_attached(snap))
+        loading = Residency.LOADING.value  # announced once its load has finished ([R50])
+        cached = {
+            block
+            for block, nid in _attached(snap).items()
+            if snap["nodes"][nid]["residency"] != loading
+        }
         if replayed != cached:
             problems.append(
                 f"events replay to {sorted(replayed - cached)} extra / "
@@ -323,6 +352,93 @@ def events(snap: Snapshot) -> Problems:
     return problems
 
 
+_ON_DEVICE = frozenset(
+    r.value for r in (Residency.DEVICE, Residency.STORING, Residency.MIRRORED, Residency.LOADING)
+)
+_ON_HOST = frozenset(
+    r.value for r in (Residency.STORING, Residency.MIRRORED, Residency.HOST, Residency.LOADING)
+)
+_ANNOUNCED_ON_HOST = frozenset(
+    r.value for r in (Residency.MIRRORED, Residency.HOST, Residency.LOADING)
+)
+
+
+def host_tier(snap: Snapshot) -> Problems:
+    """11. Host conservation and residency: each host block's count = [owning node] +
+    requests that matched it + copies; 0 iff free; a node's blocks agree with its
+    residency; a block an in-flight copy reads or writes is held by that copy, on
+    both tiers; device-resident nodes hang only under device-resident ones."""
+    problems: Problems = []
+    nodes = snap["nodes"]
+    expected: Counter[int] = Counter()
+    owners: Counter[int] = Counter()
+    for node in nodes.values():
+        if node["block_host"] is not None:
+            expected[node["block_host"]] += 1
+            owners[node["block_host"]] += 1
+    for sid, seq in snap["sequences"].items():
+        for nid in seq["host_path"]:
+            matched = nodes.get(nid)
+            if matched is None or matched["block_host"] is None:
+                problems.append(f"sequence {sid}: matched host node {nid} has no host block")
+                continue
+            expected[matched["block_host"]] += 1
+    copy_holds: dict[tuple[str, int | None], set[str]] = {}
+    for copy in snap["copies"].values():
+        expected.update(copy["host_blocks"])
+        for block in copy["blocks"]:
+            copy_holds.setdefault(("block", block), set()).add(copy["kind"])
+        for block in copy["host_blocks"]:
+            copy_holds.setdefault(("host", block), set()).add(copy["kind"])
+    free = Counter(snap["free_host_blocks"])
+    for block, count in free.items():
+        if count > 1:
+            problems.append(f"host block {block} is in the free list {count} times")
+    for block in range(snap["host_capacity"]):
+        stored = snap["host_refcounts"].get(block, 0)
+        if stored != expected[block]:
+            problems.append(
+                f"host block {block}: stored count {stored} != {expected[block]} holders"
+            )
+        if (stored == 0) != (block in free):
+            problems.append(f"host block {block}: count {stored} but free {block in free}")
+        if owners[block] > 1:
+            problems.append(f"host block {block} is owned by {owners[block]} nodes")
+    for nid, node in nodes.items():
+        if node["parent"] is None:
+            continue
+        residency = node["residency"]
+        if (node["block"] is not None) != (residency in _ON_DEVICE):
+            problems.append(f"node {nid}: {residency} but device block {node['block']}")
+        if (node["block_host"] is not None) != (residency in _ON_HOST):
+            problems.append(f"node {nid}: {residency} but host block {node['block_host']}")
+        if node["block"] is not None:
+            parent = nodes.get(node["parent"])
+            if parent is not None and parent["parent"] is not None and parent["block"] is None:
+                problems.append(f"node {nid} is on the device under host-only {node['parent']}")
+        if residency == Residency.HOST.value and node["checkpoint"] is not None:
+            problems.append(f"node {nid}: host-only with a checkpoint")
+        if RESIDENCY_PINS[Residency(residency)]:  # storing / loading: a copy holds both
+            kind = "store" if residency == Residency.STORING.value else "load"
+            if kind not in copy_holds.get(("block", node["block"]), set()) or (
+                kind not in copy_holds.get(("host", node["block_host"]), set())
+            ):
+                problems.append(f"node {nid} is {residency} but no {kind} copy holds its blocks")
+    replayed = snap["event_host_blocks"]
+    if replayed is not None:
+        announced = {
+            node["block_host"]
+            for node in nodes.values()
+            if node["residency"] in _ANNOUNCED_ON_HOST and node["block_host"] is not None
+        }
+        if replayed != announced:
+            problems.append(
+                f"host events replay to {sorted(replayed - announced)} extra / "
+                f"{sorted(announced - replayed)} missing host blocks"
+            )
+    return problems
+
+
 def rollback(before: Snapshot, after: Snapshot) -> Problems:
     """8. `match` then `abort` restores counts, pins, indexes and statistics exactly."""
     fields = (
@@ -334,6 +450,9 @@ def rollback(before: Snapshot, after: Snapshot) -> Problems:
         "checkpoint_index",
         "stats",
         "explicit_pins",
+        "free_host_blocks",
+        "host_refcounts",
+        "host_index",
     )
     old: dict[str, object] = dict(before)
     new: dict[str, object] = dict(after)
@@ -352,6 +471,7 @@ INVARIANTS: tuple[tuple[str, SnapshotPredicate], ...] = (
     ("explicit_state", explicit_state),
     ("accounting", accounting),
     ("events", events),
+    ("host_tier", host_tier),
 )
 """Every single-snapshot invariant, by name, in the contract's order (8 compares two)."""
 

@@ -1,5 +1,5 @@
-"""Every lifecycle of the cache, written once as data: node, checkpoint, pin
-receipt and copy.
+"""Every lifecycle of the cache, written once as data: node, KV residency,
+checkpoint, pin receipt and copy.
 
 The transition lists below are the single source of truth. At import they are
 built into flat `transitions.Machine`s (one per lifecycle; used for rendering
@@ -34,6 +34,10 @@ class NodeState(str, Enum):
     """Attached leaf, only the trie holds its block, its checkpoint (if any) is unpinned."""
     PINNED = "pinned"
     """Attached and its checkpoint holds at least one pin. Never evicted."""
+    OFFLOADED = "offloaded"
+    """Attached, its KV only in the host tier (residency `host`): it owns no device
+    block and holds no checkpoint. Device eviction never touches it; host eviction
+    may free it once it has no children and no request reads its host block."""
     FREED = "freed"
     """Detached, block returned, checkpoint released. Terminal."""
     ROOT = "root"
@@ -41,6 +45,30 @@ class NodeState(str, Enum):
 
     def __hash__(self) -> int:
         # Hash as the plain string it equals, so table lookups accept either.
+        return str.__hash__(self)
+
+
+class Residency(str, Enum):
+    """Where a node's KV lives, between the device pool and the host tier.
+
+    Only a trie with a host tier (`CacheConfig.num_host_blocks > 0`) leaves
+    `device`. An in-flight copy holds the blocks it reads and writes on both
+    tiers until it is reaped (the pins of each state, `RESIDENCY_PINS`).
+    """
+
+    DEVICE = "device"
+    """A device block only (no host tier, or no host block was free)."""
+    STORING = "storing"
+    """Device block valid; a device -> host copy writes its host block (not loadable yet)."""
+    MIRRORED = "mirrored"
+    """Valid on both tiers: device eviction frees only the device block."""
+    HOST = "host"
+    """A host block only: a request that matches it must `load` it first."""
+    LOADING = "loading"
+    """Host block valid; a host -> device copy writes its (new) device block, which
+    no request may read until the copy has finished."""
+
+    def __hash__(self) -> int:
         return str.__hash__(self)
 
 
@@ -98,7 +126,25 @@ class NodeTrigger(str, Enum):
     SHARE = "share"
     PIN = "pin"
     UNPIN = "unpin"
+    OFFLOAD = "offload"
+    LOAD = "load"
     FREE = "free"
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
+class ResidencyTrigger(str, Enum):
+    """KV residency triggers: each names the copy or eviction that fires it."""
+
+    STORE = "store"
+    STORED = "stored"
+    STORE_FAILED = "store_failed"
+    OFFLOAD = "offload"
+    LOAD = "load"
+    LOADED = "loaded"
+    LOAD_FAILED = "load_failed"
+    ADOPT = "adopt"
 
     def __hash__(self) -> int:
         return str.__hash__(self)
@@ -129,6 +175,22 @@ class ReceiptTrigger(str, Enum):
         return str.__hash__(self)
 
 
+class CopyKind(str, Enum):
+    """What a copy moves (`Copy.kind`): a checkpoint's state, or KV to / from the host tier."""
+
+    SAVE = "save"
+    """Runtime state (and a partial block) into a checkpoint slot (and its frozen tail)."""
+    RESTORE = "restore"
+    """A checkpoint slot (and frozen tail) into runtime state (and the request's block)."""
+    STORE = "store"
+    """Device KV blocks into host-tier blocks (write-through, [R47])."""
+    LOAD = "load"
+    """Host-tier blocks into device KV blocks ([R50])."""
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+
 class CopyTrigger(str, Enum):
     """Copy triggers."""
 
@@ -147,9 +209,58 @@ NODE_TRANSITIONS: tuple[tuple[NodeTrigger, tuple[NodeState, ...], NodeState], ..
     (NodeTrigger.SHARE, (NodeState.EVICTABLE,), NodeState.CACHED),
     (NodeTrigger.PIN, (NodeState.CACHED, NodeState.EVICTABLE), NodeState.PINNED),
     (NodeTrigger.UNPIN, (NodeState.PINNED,), NodeState.CACHED),
-    (NodeTrigger.FREE, (NodeState.EVICTABLE,), NodeState.FREED),
+    (NodeTrigger.OFFLOAD, (NodeState.EVICTABLE,), NodeState.OFFLOADED),
+    (NodeTrigger.LOAD, (NodeState.OFFLOADED,), NodeState.CACHED),
+    (NodeTrigger.FREE, (NodeState.EVICTABLE, NodeState.OFFLOADED), NodeState.FREED),
 )
-"""The whole node lifecycle as `(trigger, sources, destination)`; any other pair is illegal."""
+"""The whole node lifecycle as `(trigger, sources, destination)`; any other pair is illegal.
+
+`offload` (device eviction of a leaf whose KV is mirrored on the host) and
+`free` leave only from `evictable`, or from `offloaded` for host eviction: a
+node a request holds, or a pinned one, is never freed nor offloaded. `load`
+gives an offloaded node a device block again (a request loads it, or computed
+the same block itself).
+"""
+
+# (trigger, sources, destination) -- where a node's KV lives (host tier).
+RESIDENCY_TRANSITIONS: tuple[tuple[ResidencyTrigger, tuple[Residency, ...], Residency], ...] = (
+    (ResidencyTrigger.STORE, (Residency.DEVICE,), Residency.STORING),
+    (ResidencyTrigger.STORED, (Residency.STORING,), Residency.MIRRORED),
+    (ResidencyTrigger.STORE_FAILED, (Residency.STORING,), Residency.DEVICE),
+    (ResidencyTrigger.OFFLOAD, (Residency.MIRRORED,), Residency.HOST),
+    (ResidencyTrigger.LOAD, (Residency.HOST,), Residency.LOADING),
+    (ResidencyTrigger.LOADED, (Residency.LOADING,), Residency.MIRRORED),
+    (ResidencyTrigger.LOAD_FAILED, (Residency.LOADING,), Residency.HOST),
+    (ResidencyTrigger.ADOPT, (Residency.HOST,), Residency.MIRRORED),
+)
+"""The KV residency lifecycle as `(trigger, sources, destination)`.
+
+`store` is queued when a block is committed (write-through); `offload` is
+device eviction of a mirrored block (only its device block is freed); `load`
+is `BlockTrie.load` taking a device block for a host-resident one; `adopt` is a
+commit that computed a host-resident block itself (its block becomes the
+device copy). No transition leaves `storing` or `loading` except the copy's
+own outcome: nothing evicts, frees or reuses a block a copy still reads or
+writes (`RESIDENCY_PINS`).
+"""
+
+RESIDENCY_PINS: dict[Residency, tuple[str, ...]] = {
+    Residency.DEVICE: (),
+    Residency.STORING: ("device block: read by the store copy", "host block: written by it"),
+    Residency.MIRRORED: (),
+    Residency.HOST: (),
+    Residency.LOADING: ("host block: read by the load copy", "device block: written by it"),
+}
+"""Per residency, the blocks an in-flight copy holds a reference on until it is reaped."""
+
+RESIDENCY_EVICTIONS: dict[Residency, str] = {
+    Residency.DEVICE: "device eviction frees the node (and any host-only nodes below it)",
+    Residency.STORING: "none: the store copy holds the device block",
+    Residency.MIRRORED: "device eviction frees the device block; the node stays, `host`",
+    Residency.HOST: "host eviction frees the node once it is a leaf no request reads",
+    Residency.LOADING: "none: the load copy holds both blocks",
+}
+"""Per residency, which eviction may touch a node in it."""
 
 # (trigger, sources, destination) -- the whole checkpoint lifecycle. Commands
 # (reserve, publish, pin, release, replace, evict) fire their trigger; a pin
@@ -327,23 +438,37 @@ RECEIPT = _build(
 """The pin-receipt lifecycle (`PinReceipt.state`)."""
 COPY = _build("copy", [s.value for s in CopyState], CopyState.QUEUED.value, COPY_TRANSITIONS)
 """The copy lifecycle (`Copy.state`)."""
-LIFECYCLES: tuple[Lifecycle, ...] = (NODE, CHECKPOINT, RECEIPT, COPY)
+RESIDENCY = _build(
+    "residency", [s.value for s in Residency], Residency.DEVICE.value, RESIDENCY_TRANSITIONS
+)
+"""The KV residency lifecycle (`Node.residency`), for tries with a host tier."""
+LIFECYCLES: tuple[Lifecycle, ...] = (NODE, RESIDENCY, CHECKPOINT, RECEIPT, COPY)
 """Every lifecycle, in the order the generated lifecycle page draws them."""
 
 
 def implied_node_state(
-    *, attached: bool, leaf: bool, block_refs: int, pins: int, root: bool = False
+    *,
+    attached: bool,
+    leaf: bool,
+    block_refs: int,
+    pins: int,
+    root: bool = False,
+    on_device: bool = True,
 ) -> NodeState:
     """The node state that the facts imply (the contract's "Lifecycles").
 
+    `leaf`: no child owns a device block (without a host tier: no children).
     `block_refs` is the node's KV block reference count (the trie's own reference
     included); `pins` is its checkpoint's pin count (0 without a checkpoint).
+    `on_device`: the node owns a device block (False only for residency `host`).
     A namespace root is always `root`, whatever its checkpoint's pins.
     """
     if root:
         return NodeState.ROOT
     if not attached:
         return NodeState.FREED
+    if not on_device:
+        return NodeState.OFFLOADED
     if pins > 0:
         return NodeState.PINNED
     if leaf and block_refs == 1:

@@ -58,6 +58,7 @@ from spec.lifecycle import (
     NodeTrigger,
     ReceiptState,
     ReceiptTrigger,
+    Residency,
     implied_checkpoint_state,
     implied_copy_state,
     implied_node_state,
@@ -934,6 +935,8 @@ class ReferenceCache:
                 tick=n.tick,
                 serial=n.serial,
                 checkpoint=None if n.checkpoint is None else n.checkpoint.serial,
+                block_host=None,
+                residency=Residency.DEVICE.value,
             )
         checkpoints: dict[int, CheckpointView] = {}
         for c in self._live_checkpoints():
@@ -962,6 +965,8 @@ class ReferenceCache:
                 num_committed_tokens=s.num_committed_tokens,
                 restore_checkpoint=None if restore_c is None else restore_c.serial,
                 holds_match_pin=s._holds_match_pin,
+                host_path=[],
+                num_host_tokens=0,
             )
         copies: dict[int, CopyView] = {
             cp._id: CopyView(
@@ -970,6 +975,8 @@ class ReferenceCache:
                 pins=[c.serial for c in cp._pins],
                 done=cp.done or cp.failed,
                 state=cp.state,
+                host_blocks=[],
+                nodes=[],
             )
             for cp in self._copies
         }
@@ -992,4 +999,9 @@ class ReferenceCache:
             event_blocks=None,
             event_checkpoint_slots=None,
             stats=stats,
+            host_capacity=0,
+            free_host_blocks=[],
+            host_refcounts={},
+            host_index=[],
+            event_host_blocks=None,
         )

@@ -26,6 +26,8 @@ class NodeView(TypedDict):
     tick: int
     serial: int
     checkpoint: int | None
+    block_host: int | None  # its host-tier block (None: none, or a root)
+    residency: str  # `spec.lifecycle.Residency` value (roots and tries without a host tier: device)
 
 
 class CheckpointView(TypedDict):
@@ -55,6 +57,8 @@ class SequenceView(TypedDict):
     num_committed_tokens: int
     restore_checkpoint: int | None  # checkpoint id of seq.restore
     holds_match_pin: bool
+    host_path: list[int]  # node ids of its matched host-only blocks, not yet loaded
+    num_host_tokens: int
 
 
 class CopyView(TypedDict):
@@ -65,6 +69,8 @@ class CopyView(TypedDict):
     pins: list[int]  # checkpoint ids it holds one receipt on, each
     done: bool  # no longer pending: finished or failed
     state: str  # stored `spec.lifecycle.CopyState` value (never "reaped": reaped copies go)
+    host_blocks: list[int]  # host-tier block references it holds (store / load copies)
+    nodes: list[int]  # node ids whose KV a store / load copy moves
 
 
 class Snapshot(TypedDict):
@@ -88,6 +94,11 @@ class Snapshot(TypedDict):
     # checkpoint slots published according to the emitted checkpoint events (None: not emitted)
     event_checkpoint_slots: set[int] | None
     stats: dict[str, Any]
+    host_capacity: int  # host-tier blocks (0: no host tier)
+    free_host_blocks: list[int]
+    host_refcounts: dict[int, int]  # every host block id -> its stored reference count
+    host_index: list[int]  # node ids in the host eviction index, in eviction order
+    event_host_blocks: set[int] | None  # host blocks cached according to the events
 
 
 def node_path(snap: Snapshot, node_id: int) -> tuple[str, tuple[Any, ...]]:
@@ -114,6 +125,11 @@ def observe(snap: Snapshot) -> dict[str, Any]:
         "cached_blocks": sum(1 for n in nodes.values() if n["parent"] is not None),
         "free_slots": len(snap["free_slots"]),
         "nodes": {named[nid]: n["state"] for nid, n in nodes.items() if n["parent"] is not None},
+        "residency": {
+            named[nid]: n["residency"] for nid, n in nodes.items() if n["parent"] is not None
+        },
+        "free_host_blocks": len(snap["free_host_blocks"]),
+        "host_order": [named[nid] for nid in snap["host_index"]],
         "checkpoints": checkpoints,
         "evictable_order": [named[nid] for nid in snap["evictable_index"]],
         "checkpoint_order": [
@@ -130,13 +146,15 @@ def observe(snap: Snapshot) -> dict[str, Any]:
                     s["num_committed_tokens"],
                     tuple(named[p] for p in s["path"]),
                     s["holds_match_pin"],
+                    tuple(named[p] for p in s["host_path"]),
+                    s["num_host_tokens"],
                 )
                 for s in snap["sequences"].values()
             ],
             key=repr,  # extra identities may mix None and other types
         ),
         "copies": sorted(
-            (c["kind"], len(c["blocks"]), len(c["pins"]), c["state"])
+            (c["kind"], len(c["blocks"]), len(c["pins"]), c["state"], len(c["host_blocks"]))
             for c in snap["copies"].values()
         ),
         "stats": dict(snap["stats"]),
@@ -156,5 +174,9 @@ STAT_COUNTERS: tuple[str, ...] = (
     "restores",  # restore copies queued
     "copies_reaped",  # copies whose pins and references were released
     "copies_failed",  # reaped copies that failed (their data never arrived)
+    "host_hit_tokens",  # num_host_tokens summed over matches (the hit to load from host)
+    "loaded_blocks",  # blocks a finished load copy brought back from the host tier
+    "stored_blocks",  # blocks a finished store copy wrote to the host tier
+    "host_evicted_blocks",  # host blocks freed by host eviction
 )
 """The counters every implementation keeps, under these names, in `stats`."""

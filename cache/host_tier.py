@@ -1,0 +1,320 @@
+"""The host-memory tier: its block pool, host eviction, and every residency change.
+
+`HostTier` owns
+- the host pool (a `KVBlockPool`, page-locked when the device is
+  CUDA) and its reference counts: an attached node holds one on its host
+  block, a request that matched it holds one until it loads it or ends
+  (`BlockTrie.match`), and an in-flight store or load copy holds one until it
+  is reaped;
+- the host eviction index: an `LRUIndex` holding *exactly* the `offloaded`
+  nodes with no children whose host block nobody else holds, by
+  `(tick, serial)` ([R10]);
+- every `spec.lifecycle.RESIDENCY` transition: a store queued at commit
+  ([R47]), its outcome when reaped, device eviction of a mirrored leaf
+  (`offload`, [R48]), a load ([R50]), a commit that computed a host-resident
+  block itself (`adopt`, [R49]), and host eviction ([R51]).
+
+The device side (the device block, the owner map, node states, the device
+eviction index) stays the `Evictor`'s; this module asks it to attach or
+detach a device block and to settle a node. Write-through only: each block
+is queued to the host as it is committed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cache.copies import Copy, Resource
+from cache.event_log import EventLog
+from cache.kv_pool import KVBlockPool
+from cache.lru import LRUIndex
+from cache.node import NO_BLOCK, NO_CHILDREN, Node
+from cache.stats import CacheStats
+from spec.errors import InvariantViolation
+from spec.lifecycle import (
+    NODE,
+    RESIDENCY,
+    CopyKind,
+    NodeState,
+    NodeTrigger,
+    Residency,
+    ResidencyTrigger,
+)
+
+if TYPE_CHECKING:
+    from cache.eviction import Evictor
+
+_OFFLOADED = NodeState.OFFLOADED.value
+_LOADING = Residency.LOADING.value
+_FREE = NodeTrigger.FREE.value
+
+
+class HostTier:
+    """The host pool, the host eviction index, and the residency of every node."""
+
+    __slots__ = ("_events", "_evictor", "_kv", "_stats", "index", "loading", "pool")
+
+    def __init__(
+        self, pool: KVBlockPool, kv: KVBlockPool, stats: CacheStats, events: EventLog
+    ) -> None:
+        self.pool = pool
+        self._kv = kv
+        self._stats = stats
+        self._events = events
+        self._evictor: Evictor | None = None
+        self.index: LRUIndex[Node] = LRUIndex()
+        self.loading: dict[Node, Copy] = {}
+        """Each `loading` node's load copy, until it is reaped."""
+
+    def bind(self, evictor: Evictor) -> None:
+        """Called once by the trie: the evictor whose device blocks this tier mirrors."""
+        self._evictor = evictor
+
+    @property
+    def evictor(self) -> Evictor:
+        evictor = self._evictor
+        if evictor is None:
+            raise InvariantViolation("host tier", "used before it was bound to an evictor")
+        return evictor
+
+    @property
+    def num_cached(self) -> int:
+        """Host blocks owned by attached nodes (storing, mirrored, host or loading): every
+        host block in use is owned by one; requests and copies only add references."""
+        return self.pool.capacity - self.pool.num_free
+
+    # ---------------------------------------------------------------- match
+
+    def split(self, path: list[Node], usable: int) -> tuple[int, list[Node], list[Copy], int]:
+        """Split the first `usable` nodes of a matched path ([R50]).
+
+        Returns the length of its device part (nodes owning a device block; the
+        device-resident nodes of a prefix always precede its host-only ones),
+        the host-only nodes after it, the queued load copies the device part
+        still waits on, and how many of its nodes those copies are loading. A
+        node whose load failed (not yet reaped) ends the usable hit: neither it
+        nor anything below it can be read.
+        """
+        depth = 0
+        waits: list[Copy] = []
+        waiting = 0
+        loading = self.loading
+        for node in path:
+            if depth == usable or node.block == NO_BLOCK:
+                break
+            if loading and node.residency == _LOADING:
+                copy = loading[node]
+                if copy.failed:
+                    return depth, [], waits, waiting
+                if not copy.done:
+                    waiting += 1
+                    if copy not in waits:
+                        waits.append(copy)
+            depth += 1
+        return depth, path[depth:usable], waits, waiting
+
+    # ------------------------------------------------------------ the index
+
+    def settle(self, node: Node) -> None:
+        """Put `node` in the host eviction index iff it is eligible (an `offloaded`
+        leaf whose host block only the trie holds), keeping invariant 7."""
+        eligible = (
+            node.state == _OFFLOADED
+            and node.children is NO_CHILDREN
+            and self.pool.refs[node.host] == 1
+        )
+        if eligible != (node in self.index):
+            if eligible:
+                self.index.add(node)
+            else:
+                self.index.remove(node)
+
+    def _unindex(self, node: Node) -> None:
+        if node in self.index:
+            self.index.remove(node)
+
+    # ---------------------------------------------------------------- store
+
+    def reserve_for_store(self) -> int | None:
+        """A host block for a new store, evicting the LRU host leaf if none is free
+        ([R47]); None when the host tier is full of blocks it may not evict."""
+        if self.pool.num_free == 0 and self.index:
+            self.evict(1)
+        if self.pool.num_free == 0:
+            return None
+        return self.pool.take(1)[0]
+
+    def store_moves(self, nodes: list[Node]) -> Copy:
+        """The store copy for `nodes`, just committed (device -> host).
+
+        Each node takes its host block (reserved by `reserve_for_store`) and
+        becomes `storing`; the copy holds a reference on both blocks of each
+        until it is reaped.
+        """
+        moves = []
+        resources: list[Resource] = []
+        for node in nodes:
+            src, dst = self._kv.view(node.block), self.pool.view(node.host)
+            if src is not None and dst is not None:
+                moves.append((src, dst))
+            resources += [("block", node.block), ("host_block", node.host)]
+        return Copy(CopyKind.STORE.value, 0, moves, resources, 0)
+
+    def begin_store(self, node: Node, host_block: int) -> None:
+        """`node` (residency `device`) will be copied into `host_block`."""
+        node.residency = RESIDENCY.step(ResidencyTrigger.STORE, node.residency, node)
+        node.host = host_block
+
+    def stored(self, copy: Copy) -> None:
+        """A store copy was reaped (its references already dropped): its nodes are
+        `mirrored`, or back to `device` if it failed (their host blocks freed)."""
+        pool = self.pool
+        trigger = ResidencyTrigger.STORE_FAILED if copy.failed else ResidencyTrigger.STORED
+        for node in copy.nodes:
+            node.residency = RESIDENCY.step(trigger, node.residency, node)
+            if copy.failed:
+                pool.decref(node.host)
+                node.host = NO_BLOCK
+            else:
+                self._stats.stored_blocks += 1
+        if not copy.failed:
+            self._events.host_stored(copy.nodes)
+
+    # -------------------------------------------------------------- offload
+
+    def offloaded(self, node: Node) -> None:
+        """Device eviction freed the device block of `node`, a mirrored leaf ([R48])."""
+        node.residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, node.residency, node)
+        self.settle(node)
+
+    # ----------------------------------------------------------------- load
+
+    def begin_load(self, node: Node) -> None:
+        """`node` (residency `host`, a request's match holding its host block) is being
+        loaded into the device block the evictor just attached ([R50])."""
+        node.residency = RESIDENCY.step(ResidencyTrigger.LOAD, node.residency, node)
+        self._unindex(node)
+
+    def load_moves(self, nodes: list[Node], waits_on: list[int]) -> Copy:
+        """The load copy for `nodes` (host -> their new device blocks), ordered after
+        the copies loading the device blocks `waits_on`."""
+        moves = []
+        resources: list[Resource] = [("block", b) for b in waits_on]
+        for node in nodes:
+            src, dst = self.pool.view(node.host), self._kv.view(node.block)
+            if src is not None and dst is not None:
+                moves.append((src, dst))
+            resources += [("block", node.block), ("host_block", node.host)]
+        return Copy(CopyKind.LOAD.value, 0, moves, resources, 0)
+
+    def loaded(self, copy: Copy) -> list[Node]:
+        """A load copy was reaped: its nodes are `mirrored`, or, if it failed, `host`
+        again with their device blocks detached (returned: the caller cuts the
+        paths of the requests that held them). Its references are already dropped."""
+        failed_nodes: list[Node] = []
+        evictor = self.evictor
+        for node in copy.nodes:
+            del self.loading[node]
+            if copy.failed:
+                node.residency = RESIDENCY.step(ResidencyTrigger.LOAD_FAILED, node.residency, node)
+                evictor.detach_block(node)
+                failed_nodes.append(node)
+            else:
+                node.residency = RESIDENCY.step(ResidencyTrigger.LOADED, node.residency, node)
+                self._stats.loaded_blocks += 1
+            self.settle(node)
+        if not copy.failed:
+            self._events.back_on_device(copy.nodes)
+        return failed_nodes
+
+    # ---------------------------------------------------------------- adopt
+
+    def adopt(self, node: Node) -> None:
+        """A commit computed `node`'s block itself while it was host-only ([R49]):
+        its block is now the device copy; the host copy stays (`mirrored`)."""
+        node.residency = RESIDENCY.step(ResidencyTrigger.ADOPT, node.residency, node)
+        self._unindex(node)
+
+    # ------------------------------------------------------------- unpin
+
+    def unpin(self, nodes: list[Node]) -> None:
+        """Drop a request's match references on the host blocks of `nodes`."""
+        pool = self.pool
+        for node in nodes:
+            pool.decref(node.host)
+            self.settle(node)
+
+    def pin(self, nodes: list[Node]) -> None:
+        """Take a request's match reference on the host blocks of `nodes` ([R50])."""
+        self.pool.incref_all([node.host for node in nodes])
+        for node in nodes:
+            self._unindex(node)
+
+    # ------------------------------------------------------------ eviction
+
+    def evict(self, n: int) -> int:
+        """Free up to `n` host blocks, LRU host-only leaves first ([R51]); returns how
+        many. A parent left an offloaded leaf is evictable next."""
+        freed = 0
+        index = self.index
+        removed: list[Node] = []
+        while freed < n and index:
+            node = index.oldest()
+            index.remove(node)
+            parent = self._free(node)
+            removed.append(node)
+            freed += 1
+            if parent.key is not None:
+                if parent.state == _OFFLOADED:
+                    self.settle(parent)
+                else:
+                    self.evictor.settle(parent)
+        self._events.host_removed(removed)
+        self._stats.host_evicted_blocks += freed
+        return freed
+
+    def _free(self, node: Node) -> Node:
+        """Detach `node`, an offloaded leaf out of the index, freeing its host block;
+        returns its former parent (to be settled by the caller)."""
+        node.state = NODE.step(_FREE, node.state, node)
+        parent = node.parent
+        if parent is None:
+            raise InvariantViolation("topology", f"offloaded {node!r} has no parent")
+        self.evictor.detach_offloaded(parent, node)
+        node.parent = None
+        if not self.pool.decref(node.host):
+            raise InvariantViolation(
+                "host conservation", f"freed {node!r}: its host block is still held"
+            )
+        return parent
+
+    def drop_below(self, node: Node) -> None:
+        """Device eviction is freeing `node` outright (no host copy of its own): free its
+        host-only descendants first, deepest first ([R48])."""
+        doomed: list[Node] = []
+        stack = _children(node)
+        while stack:
+            child = stack.pop()
+            if child.state != _OFFLOADED:
+                raise InvariantViolation(
+                    "residency", f"{child!r} below a device leaf owns a device block"
+                )
+            doomed.append(child)
+            stack.extend(_children(child))
+        for child in reversed(doomed):  # children before their parents
+            self._unindex(child)
+            self._free(child)
+        self._events.host_removed(doomed)
+        self._stats.host_evicted_blocks += len(doomed)
+
+
+def _children(node: Node) -> list[Node]:
+    children = node.children
+    if children is NO_CHILDREN:
+        return []
+    if type(children) is Node:
+        return [children]
+    return list(children.values())  # type: ignore[union-attr]
+
+
+__all__ = ["HostTier"]

@@ -1,0 +1,451 @@
+"""The host-memory tier ([R47]-[R51]): store, offload, load, adopt, host eviction.
+
+Every KV block here holds its own token ids as float64, so a block read after a
+round trip through the host tier is checked bit for bit against the tokens it
+claims to hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import (
+    BlockTrie,
+    CacheConfig,
+    ConfigError,
+    HostTierError,
+    InvalidArgument,
+    ManualCopies,
+    OutOfBlocks,
+    Sequence,
+)
+from cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, replay
+from spec.invariants import rollback
+from spec.lifecycle import NodeState, Residency
+
+B = 2
+
+
+def host_trie(
+    num_blocks: int = 8, host_blocks: int = 16, manual: bool = False, **kw: object
+) -> tuple[BlockTrie, ManualCopies | None]:
+    """An attention-only trie with a host tier; KV blocks hold float64 token ids."""
+    kw.setdefault("enable_events", True)
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=num_blocks,
+        num_host_blocks=host_blocks,
+        kv_block_shape=(B,),
+        kv_dtype=torch.float64,
+        **kw,  # type: ignore[arg-type]
+    )
+    copies = ManualCopies() if manual else None
+    return BlockTrie(config, copies=copies), copies
+
+
+def compute(trie: BlockTrie, seq: Sequence, tokens: list[int]) -> None:
+    """What prefill does: write the KV of every uncached full block."""
+    kv = trie.kv_cache
+    assert kv is not None
+    for i in range(seq.num_cached_tokens // B, len(tokens) // B):
+        kv[seq.block_ids[i]] = torch.tensor(tokens[i * B : (i + 1) * B], dtype=torch.float64)
+
+
+def assert_reads(trie: BlockTrie, seq: Sequence, tokens: list[int]) -> None:
+    """Every cached block of `seq` holds exactly its tokens."""
+    kv = trie.kv_cache
+    assert kv is not None
+    for i in range(seq.num_cached_tokens // B):
+        assert kv[seq.block_ids[i]].tolist() == tokens[i * B : (i + 1) * B], f"block {i}"
+
+
+def serve(trie: BlockTrie, tokens: list[int]) -> Sequence:
+    """match, load, wait, check the hit's data, allocate, compute, commit, release."""
+    seq = trie.match(tokens)
+    copy = trie.load(seq)
+    if copy is not None:
+        copy.wait()
+        trie.poll()
+    assert_reads(trie, seq, tokens)
+    trie.allocate(seq, len(tokens))
+    compute(trie, seq, tokens)
+    trie.commit(seq, len(tokens))
+    trie.release(seq)
+    trie.poll()
+    trie.check()
+    return seq
+
+
+def residency(trie: BlockTrie) -> dict[tuple[int, ...], str]:
+    """Each attached node's residency, by its tokens."""
+    snap = trie.snapshot()
+    return {
+        tuple(n["key"][0]): n["residency"]  # type: ignore[index]
+        for n in snap["nodes"].values()
+        if n["parent"] is not None
+    }
+
+
+A = [1, 1, 2, 2, 3, 3, 9]  # three full blocks and one token
+OTHER = [5, 5, 6, 6, 7, 7, 8, 8, 9]
+
+
+def test_config_validates_the_host_tier() -> None:
+    with pytest.raises(ConfigError, match="num_host_blocks"):
+        CacheConfig(block_size=2, num_blocks=4, num_host_blocks=-1)
+    with pytest.raises(ConfigError, match="host_write"):
+        CacheConfig(block_size=2, num_blocks=4, num_host_blocks=4, host_write="back")
+    assert not CacheConfig(block_size=2, num_blocks=4).host_tier
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4))
+    assert trie.num_free_host_blocks == 0 and trie.host_cache is None
+    assert trie.evict_host(3) == 0
+    seq = trie.match([1, 2, 3])
+    assert seq.num_host_tokens == 0 and trie.load(seq) is None
+
+
+def test_commit_writes_through_and_device_eviction_keeps_the_host_copy() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    assert trie.num_host_cached_blocks == 3 and trie.stats.stored_blocks == 3
+    assert set(residency(trie).values()) == {Residency.MIRRORED.value}
+    assert trie.evict(3) == 3
+    assert trie.num_cached_blocks == 0
+    assert set(residency(trie).values()) == {Residency.HOST.value}
+    assert trie.num_evictable_host_blocks == 1  # only the deepest is a host leaf
+    trie.check()
+
+
+def test_round_trip_returns_bit_identical_kv() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    host = trie.host_cache
+    assert host is not None
+    trie.evict(3)
+    trie.kv_cache.fill_(-1.0)  # type: ignore[union-attr]  # the device copies are gone
+    seq = trie.match(A)
+    assert (seq.num_cached_tokens, seq.num_host_tokens) == (6, 6)
+    assert len(seq.block_ids) == 0
+    copy = trie.load(seq)
+    assert copy is not None and copy.kind == "load"
+    trie.poll()
+    assert len(seq.block_ids) == 3
+    assert_reads(trie, seq, A)
+    assert trie.stats.loaded_blocks == 3 and trie.stats.host_hit_tokens == 6
+    assert set(residency(trie).values()) == {Residency.MIRRORED.value}
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_storing_block_is_not_evictable_nor_loadable_until_its_copy_is_reaped() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    seq = trie.match(A)
+    trie.allocate(seq, len(A))
+    trie.commit(seq, len(A))
+    trie.release(seq)
+    (store,) = copies.pending()
+    assert store.kind == "store"
+    assert set(residency(trie).values()) == {Residency.STORING.value}
+    assert trie.evict(10) == 0  # the store copy reads every device block
+    trie.check()
+    copies.complete(store)
+    assert trie.evict(10) == 0  # finished but not reaped: still held
+    trie.poll()
+    assert trie.evict(10) == 3
+    trie.check()
+
+
+def test_a_failed_store_leaves_the_block_device_only() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    seq = trie.match(A)
+    trie.allocate(seq, len(A))
+    trie.commit(seq, len(A))
+    trie.release(seq)
+    (store,) = copies.pending()
+    copies.fail(store)
+    trie.poll()
+    assert set(residency(trie).values()) == {Residency.DEVICE.value}
+    assert trie.num_free_host_blocks == 16 and trie.stats.copies_failed == 1
+    assert trie.evict(10) == 3  # freed outright: no host copy to keep
+    assert trie.num_host_cached_blocks == 0
+    trie.check()
+
+
+def test_two_requests_share_one_load() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    trie.evict(10)
+    first, second = trie.match(A), trie.match(A)
+    copy = trie.load(first)
+    assert copy is not None
+    assert second.num_host_tokens == 6
+    assert trie.load(second) is copy  # the same copy: no second load
+    assert len(copies.pending()) == 1
+    trie.check()
+    copies.complete(copy)
+    trie.poll()
+    assert trie.stats.loaded_blocks == 3
+    assert_reads(trie, first, A)
+    assert_reads(trie, second, A)
+    trie.release(first)
+    trie.release(second)
+    trie.check()
+
+
+def test_a_request_matching_a_block_being_loaded_waits_on_that_copy() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    trie.evict(10)
+    first = trie.match(A)
+    copy = trie.load(first)
+    longer = [*A[:6], 4, 4, 9]
+    late = trie.match(longer)  # the blocks have device blocks now, still loading
+    assert late.num_host_tokens == 6 and late.num_cached_tokens == 6
+    assert late.block_ids == first.block_ids
+    assert trie.load(late) is copy
+    trie.allocate(late, len(longer))
+    with pytest.raises(HostTierError, match="loading"):
+        trie.commit(late, 8)
+    assert copy is not None
+    copies.complete(copy)
+    trie.commit(late, 8)  # done (not yet reaped) is enough
+    trie.poll()
+    trie.release(first)
+    trie.release(late)
+    trie.check()
+
+
+def test_load_of_a_longer_prompt_is_ordered_after_the_shared_load() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    longer = [1, 1, 2, 2, 3, 3, 4, 4, 9]
+    serve_manual(trie, copies, longer)
+    trie.evict(10)
+    short = trie.match(A)
+    first = trie.load(short)
+    seq = trie.match(longer)
+    assert seq.num_host_tokens == 8
+    own = trie.load(seq)
+    assert own is not None and first is not None and own is not first
+    copies.complete(own)  # completes the shared load first: a stream runs in order
+    assert first.done
+    trie.poll()
+    assert_reads(trie, seq, longer)
+    trie.release(short)
+    trie.release(seq)
+    trie.check()
+
+
+def serve_manual(trie: BlockTrie, copies: ManualCopies, tokens: list[int]) -> None:
+    seq = trie.match(tokens)
+    trie.load(seq)
+    copies.complete_all()
+    trie.allocate(seq, len(tokens))
+    compute(trie, seq, tokens)
+    trie.commit(seq, len(tokens))
+    trie.release(seq)
+    copies.complete_all()
+    trie.poll()
+
+
+def test_match_then_abort_with_a_host_part_is_an_exact_undo() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(2)
+    before = trie.snapshot()
+    seq = trie.match(A)
+    assert seq.num_host_tokens == 4 and seq.num_cached_tokens == 6
+    assert trie.num_evictable_host_blocks == 0  # the request reads both host blocks
+    trie.abort(seq)
+    assert rollback(before, trie.snapshot()) == []
+    trie.check()
+
+
+def test_operations_that_need_the_hit_on_device_refuse_before_load() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    seq = trie.match(A)
+    for operation in (lambda: trie.allocate(seq, 7), lambda: trie.commit(seq, 6)):
+        with pytest.raises(HostTierError, match="load"):
+            operation()
+    trie.check()
+    trie.release(seq)
+    assert trie.num_evictable_host_blocks == 1
+    trie.check()
+
+
+def test_load_without_room_raises_and_changes_nothing() -> None:
+    trie, _ = host_trie(num_blocks=4)
+    serve(trie, A)
+    trie.evict(3)
+    holder = trie.match(OTHER[:7])
+    trie.allocate(holder, 7)  # every device block is held now
+    seq = trie.match(A)
+    before = trie.snapshot()
+    with pytest.raises(OutOfBlocks):
+        trie.load(seq)
+    assert rollback(before, trie.snapshot()) == []
+    trie.release(holder)
+    assert trie.load(seq) is not None
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_failed_load_cuts_every_request_that_reads_it() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    trie.evict(10)
+    first, second = trie.match(A), trie.match(A)
+    copy = trie.load(first)
+    assert copy is not None and trie.load(second) is copy
+    copies.fail(copy)
+    trie.poll()
+    for seq in (first, second):
+        assert seq.block_ids  # its private blocks stay until released
+        with pytest.raises(HostTierError, match="abort"):
+            trie.commit(seq, 6)
+        with pytest.raises(HostTierError, match="abort"):
+            trie.load(seq)
+    assert set(residency(trie).values()) == {Residency.HOST.value}
+    trie.check()
+    trie.abort(first)
+    trie.release(second)
+    assert trie.num_free_blocks == 8
+    trie.check()
+    serve_manual(trie, copies, A)  # the prefix loads again
+    trie.check()
+
+
+def test_a_load_ordered_after_a_failed_one_fails_too() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    longer = [1, 1, 2, 2, 3, 3, 4, 4, 9]
+    serve_manual(trie, copies, longer)
+    trie.evict(10)
+    short = trie.match(A)
+    first = trie.load(short)
+    seq = trie.match(longer)
+    own = trie.load(seq)
+    assert first is not None and own is not None
+    copies.fail(first)
+    assert own.failed
+    trie.poll()
+    trie.abort(short)
+    trie.abort(seq)
+    trie.check()
+    assert trie.num_free_blocks == 8
+
+
+def test_a_commit_of_a_host_only_block_adopts_the_computed_block() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    seq = trie.match([1, 1, 2])  # hits the first block only
+    trie.load(seq)
+    trie.poll()
+    trie.append(seq, [2, 3, 3, 4])
+    trie.allocate(seq, 7)
+    compute(trie, seq, [1, 1, 2, 2, 3, 3, 4])
+    trie.commit(seq, 6)  # blocks 2 and 3 exist, host-only: adopted
+    assert trie.stats.loaded_blocks == 1
+    assert set(residency(trie).values()) == {Residency.MIRRORED.value}
+    trie.release(seq)
+    trie.check()
+
+
+def test_host_eviction_is_lru_and_skips_blocks_a_request_reads() -> None:
+    trie, _ = host_trie(num_blocks=8, host_blocks=16)
+    serve(trie, A)
+    serve(trie, OTHER)
+    trie.evict(10)
+    reader = trie.match(OTHER)  # pins OTHER's host blocks
+    assert trie.evict_host(100) == 3  # A's chain only
+    assert trie.num_host_cached_blocks == 4
+    trie.check()
+    trie.release(reader)
+    assert trie.evict_host(1) == 1
+    trie.check()
+    with pytest.raises(InvalidArgument):
+        trie.evict_host(-1)
+
+
+def test_evicting_a_device_only_block_drops_the_host_nodes_below_it() -> None:
+    trie, _ = host_trie(num_blocks=8, host_blocks=2)
+    serve(trie, A)  # only two blocks find a host block: the third stays device-only
+    assert sorted(residency(trie).values()) == ["device", "mirrored", "mirrored"]
+    assert trie.evict(10) == 3
+    assert trie.stats.host_evicted_blocks == 0
+    trie.check()
+    serve(trie, [5, 5, 9])  # needs a host block: evicts A's chain from the host tier
+    trie.check()
+
+
+def test_clear_empties_both_tiers() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    serve(trie, OTHER)
+    trie.evict(2)
+    trie.clear()
+    assert trie.num_cached_blocks == 0 and trie.num_host_cached_blocks == 0
+    assert trie.num_free_host_blocks == 16
+    trie.check()
+
+
+def test_events_announce_each_tier_under_its_medium() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    events = trie.drain_events()
+    assert replay(events, medium=MEDIUM_GPU) == set()
+    host_blocks = replay(events, medium=MEDIUM_CPU)
+    assert len(host_blocks) == 3
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
+    removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_GPU]
+    assert len(stored) == 3 and len(removed) == 3
+    assert {e.block_hashes[0] for e in stored} == {e.block_hashes[0] for e in removed}
+    seq = trie.match(A)
+    trie.load(seq)
+    trie.poll()
+    events = trie.drain_events()
+    loaded = replay(events, medium=MEDIUM_GPU)
+    assert loaded == set(seq.block_ids)
+    trie.release(seq)
+    trie.evict(3)
+    trie.evict_host(3)
+    assert replay(trie.drain_events(), set(host_blocks), medium=MEDIUM_CPU) == set()
+    trie.check()
+
+
+def test_ssm_tries_never_serve_a_hit_from_the_host() -> None:
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=8,
+        num_host_blocks=8,
+        num_checkpoint_slots=2,
+        enable_events=True,
+    )
+    trie = BlockTrie(config)
+    seq = trie.match(A)
+    trie.allocate(seq, len(A))
+    trie.commit(seq, len(A))
+    trie.save(seq, 6, {})
+    trie.release(seq)
+    trie.evict(10)
+    seq = trie.match(A)
+    assert seq.num_cached_tokens == 0 and seq.num_host_tokens == 0
+    trie.release(seq)
+    trie.check()
+
+
+def test_offloaded_node_state_is_the_spec_state() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(1)
+    states = {n["state"] for n in trie.snapshot()["nodes"].values() if n["parent"] is not None}
+    assert NodeState.OFFLOADED.value in states

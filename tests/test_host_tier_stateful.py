@@ -1,0 +1,215 @@
+"""Stateful test of the host tier ([R47]-[R51]) with real tensors and `ManualCopies`.
+
+Requests match, load, prefill (write their own blocks), commit, release or
+abort; stores and loads complete or fail in any order; both tiers evict. After
+every step `check()` runs every spec invariant (host conservation and
+residency included), and the data is checked: every block a request may read
+(its path, once its loads are done), every device block of a node that is not
+still loading, and every announced host block hold exactly their tokens. A
+block freed or reused while a copy still read or wrote it would break one of
+these.
+
+The reference model does not have the host tier yet, so this test compares
+against the invariants and the data, not against `spec.model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from cache import (
+    BlockTrie,
+    CacheConfig,
+    CopyFailed,
+    HostTierError,
+    InvalidArgument,
+    ManualCopies,
+    OutOfBlocks,
+    Sequence,
+)
+from spec.invariants import rollback
+from spec.lifecycle import Residency
+
+B = 2
+TOKENS = st.lists(st.integers(1, 2), min_size=1, max_size=7)  # tiny: prefixes collide
+_SETTLED = {Residency.MIRRORED.value, Residency.HOST.value, Residency.LOADING.value}
+
+
+class HostTierMachine(RuleBasedStateMachine):
+    live = Bundle("live")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = ManualCopies()
+        self.trie = BlockTrie(
+            CacheConfig(
+                block_size=B,
+                num_blocks=6,
+                num_host_blocks=5,
+                kv_block_shape=(B,),
+                kv_dtype=torch.float64,
+                enable_events=True,
+            ),
+            copies=self.copies,
+        )
+
+    # ----------------------------------------------------------- requests
+
+    @rule(target=live, tokens=TOKENS)
+    def match(self, tokens: list[int]) -> Sequence:
+        seq = self.trie.match(tokens)
+        assert seq.num_host_tokens <= seq.num_cached_tokens
+        assert seq.num_host_tokens % B == 0
+        return seq
+
+    @rule(tokens=TOKENS)
+    def match_then_abort_is_an_exact_undo(self, tokens: list[int]) -> None:
+        before = self.trie.snapshot()
+        self.trie.abort(self.trie.match(tokens))
+        assert rollback(before, self.trie.snapshot()) == []
+
+    @rule(seq=live)
+    def load(self, seq: Sequence) -> None:
+        if not seq.live:
+            return
+        with contextlib.suppress(OutOfBlocks, HostTierError):
+            self.trie.load(seq)  # may find no room, or a load it waits on failed
+
+    @rule(seq=live)
+    def prefill(self, seq: Sequence) -> None:
+        """allocate, compute the blocks past the path, commit; the cache refuses
+        (changing nothing) while the hit is not all on the device."""
+        trie = self.trie
+        if not seq.live:
+            return
+        ready = not seq.load_failed and not seq.host_path
+        ready = ready and all(c.done and not c.failed for c in seq.loads)
+        if not ready:  # an engine waits for its loads first; the cache enforces it
+            before = trie.snapshot()
+            try:
+                trie.commit(seq, len(seq))
+            except HostTierError:
+                pass
+            except InvalidArgument:
+                pass  # not allocated that far
+            else:
+                raise AssertionError(f"commit of {seq!r} before its loads finished")
+            assert rollback(before, trie.snapshot()) == []
+            return
+        try:
+            trie.allocate(seq, len(seq))
+        except OutOfBlocks:
+            return
+        self._check_reads(seq)
+        kv = trie.kv_cache
+        assert kv is not None
+        tokens = seq.tokens
+        for i in range(len(seq.path), len(tokens) // B):
+            kv[seq.block_ids[i]] = torch.tensor(tokens[i * B : (i + 1) * B], dtype=torch.float64)
+        try:
+            trie.commit(seq, len(tokens))
+        except HostTierError as exc:  # it would share a block another request loads
+            assert "being loaded" in str(exc) or "failed; poll()" in str(exc)
+
+    @rule(seq=consumes(live))
+    def release(self, seq: Sequence) -> None:
+        if seq.live:
+            self.trie.release(seq)
+
+    @rule(seq=consumes(live))
+    def abort(self, seq: Sequence) -> None:
+        if seq.live:
+            self.trie.abort(seq)
+
+    # ------------------------------------------------------------- copies
+
+    @precondition(lambda self: bool(self.copies.pending()))
+    @rule(pick=st.integers(0, 7))
+    def complete_one_copy(self, pick: int) -> None:
+        pending = self.copies.pending()
+        copy = pending[pick % len(pending)]
+        self.copies.complete(copy)
+
+    @precondition(lambda self: bool(self.copies.pending()))
+    @rule(pick=st.integers(0, 7))
+    def fail_one_copy(self, pick: int) -> None:
+        pending = self.copies.pending()
+        self.copies.fail(pending[pick % len(pending)])
+
+    @rule()
+    def poll(self) -> None:
+        self.trie.poll()
+
+    # ------------------------------------------------------------ eviction
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n: int) -> None:
+        self.trie.evict(n)
+
+    @rule(n=st.integers(0, 3))
+    def evict_host(self, n: int) -> None:
+        self.trie.evict_host(n)
+
+    # ----------------------------------------------------------- checking
+
+    def _check_reads(self, seq: Sequence) -> None:
+        """A request about to compute reads exactly its tokens in every cached block."""
+        kv = self.trie.kv_cache
+        assert kv is not None
+        tokens = seq.tokens
+        for i in range(len(seq.path)):
+            assert kv[seq.block_ids[i]].tolist() == list(tokens[i * B : (i + 1) * B]), (
+                f"{seq!r} reads block {i} before its data arrived"
+            )
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.trie.check()
+
+    @invariant()
+    def blocks_hold_their_tokens(self) -> None:
+        trie = self.trie
+        kv, host = trie.kv_cache, trie.host_cache
+        assert kv is not None and host is not None
+        loading = trie._host.loading  # type: ignore[union-attr]
+        for node in trie.snapshot()["nodes"].values():
+            if node["parent"] is None or node["key"] is None:
+                continue
+            tokens = list(node["key"][0])
+            block, host_block = node["block"], node["block_host"]
+            if block is not None and node["residency"] != Residency.LOADING.value:
+                assert kv[block].tolist() == tokens, f"device block {block}"
+            if host_block is not None and node["residency"] in _SETTLED:
+                assert host[host_block].tolist() == tokens, f"host block {host_block}"
+        for copy in loading.values():
+            if copy.done and not copy.failed:
+                for nd in copy.nodes:
+                    assert kv[nd.block].tolist() == list(nd.tokens)
+
+    def teardown(self) -> None:
+        trie = self.trie
+        for seq in list(trie._live.values()):
+            trie.abort(seq)
+        for copy in self.copies.pending():
+            with contextlib.suppress(CopyFailed):  # it read a copy that failed
+                self.copies.complete(copy)
+        trie.poll()
+        trie.evict(trie.config.num_blocks)
+        trie.evict_host(trie.config.num_host_blocks)
+        trie.check()
+        assert trie.num_free_blocks == trie.config.num_blocks
+        assert trie.num_free_host_blocks == trie.config.num_host_blocks
+
+
+TestHostTier = HostTierMachine.TestCase
