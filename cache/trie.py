@@ -326,6 +326,7 @@ class BlockTrie:
                 hit = usable * size
                 if self._host is not None:
                     depth, host_nodes, waits, waiting = self._host.split(path, usable)
+                    hit = (depth + len(host_nodes)) * size  # shorter past a failed load
             else:
                 if root is not None:
                     ck = CheckpointStore.deepest_match(root, path, toks, ext, usable, size)

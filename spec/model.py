@@ -42,6 +42,7 @@ from spec.errors import (
     CheckpointError,
     ConfigError,
     CopyFailed,
+    HostTierError,
     InvalidArgument,
     InvalidType,
     OutOfBlocks,
@@ -52,6 +53,7 @@ from spec.lifecycle import (
     CHECKPOINT,
     NODE,
     RECEIPT,
+    RESIDENCY,
     CheckpointState,
     CheckpointTrigger,
     NodeState,
@@ -59,6 +61,7 @@ from spec.lifecycle import (
     ReceiptState,
     ReceiptTrigger,
     Residency,
+    ResidencyTrigger,
     implied_checkpoint_state,
     implied_copy_state,
     implied_node_state,
@@ -101,6 +104,8 @@ class _Node:
         self.depth: int = 0 if parent is None else parent.depth + 1
         self.attached = True
         self.checkpoint: _Checkpoint | None = None
+        self.host: int | None = None  # its host-tier block ([R47])
+        self.residency = Residency.DEVICE.value  # fired by commands, like checkpoints
 
 
 class _Checkpoint:
@@ -167,6 +172,10 @@ class ModelSequence:
         self._holds_match_pin = False
         self._restored = False
         self._match_stats: dict[str, int] = {}
+        self.num_host_tokens = 0
+        self._host_path: list[_Node] = []  # [R50]: matched host-only nodes, not yet loaded
+        self._loads: list[ModelCopy] = []  # load copies its hit waits on
+        self._load_failed = False
 
     @property
     def live(self) -> bool:
@@ -202,6 +211,8 @@ class ModelCopy:
         self._blocks = blocks
         self._pins = pins
         self._touches = touches
+        self._host_blocks: list[int] = []  # host-tier blocks a store / load holds
+        self._nodes: list[_Node] = []  # nodes whose KV a store / load moves
 
     def __repr__(self) -> str:
         return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, {self.state})"
@@ -299,11 +310,13 @@ class ReferenceCache:
         num_checkpoint_slots: int = 0,
         *,
         manual_copies: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         for name, value, low in (
             ("block_size", block_size, 1),
             ("num_blocks", num_blocks, 1),
             ("num_checkpoint_slots", num_checkpoint_slots, 0),
+            ("num_host_blocks", num_host_blocks, 0),
         ):
             if not _is_int(value):
                 raise ConfigError(f"{name} must be an int, got {type(value).__name__}")
@@ -314,6 +327,7 @@ class ReferenceCache:
         self._B = block_size
         self._num_blocks = num_blocks
         self._num_slots = num_checkpoint_slots
+        self._num_host = num_host_blocks
         self._manual = manual_copies
         self._clock = 0
         self._node_serial = 0
@@ -340,8 +354,8 @@ class ReferenceCache:
     def _refcounts(self) -> dict[int, int]:
         rc = dict.fromkeys(range(self._num_blocks), 0)
         for node in self._nodes:
-            assert node.block is not None
-            rc[node.block] += 1
+            if node.block is not None:  # an offloaded node owns none ([R48])
+                rc[node.block] += 1
         for seq in self._sequences:
             for b in seq.block_ids:
                 rc[b] += 1
@@ -355,6 +369,31 @@ class ReferenceCache:
 
     def _free_block_list(self) -> list[int]:
         return [b for b, n in self._refcounts().items() if n == 0]
+
+    def _host_refcounts(self) -> dict[int, int]:
+        """[R47]-[R50]: owning node + requests that matched it + copies holding it."""
+        rc = dict.fromkeys(range(self._num_host), 0)
+        for node in self._nodes:
+            if node.host is not None:
+                rc[node.host] += 1
+        for seq in self._sequences:
+            for node in seq._host_path:
+                assert node.host is not None
+                rc[node.host] += 1
+        for cp in self._copies:
+            for h in cp._host_blocks:
+                rc[h] += 1
+        return rc
+
+    def _free_host_list(self) -> list[int]:
+        return [h for h, n in self._host_refcounts().items() if n == 0]
+
+    def _load_of(self, node: _Node) -> ModelCopy | None:
+        """The unreaped load copy moving `node`'s KV, if it is `loading`."""
+        for cp in self._copies:
+            if cp.kind == "load" and node in cp._nodes:
+                return cp
+        return None
 
     def _live_checkpoints(self) -> list[_Checkpoint]:
         anchors = [*self._roots.values(), *self._nodes]
@@ -385,13 +424,13 @@ class ReferenceCache:
         return None
 
     def _node_state(self, node: _Node, rc: dict[int, int]) -> NodeState:
-        assert node.block is not None
         pins = 0 if node.checkpoint is None else self._pin_count(node.checkpoint)
         return implied_node_state(
             attached=node.attached,
-            leaf=not self._children(node),
-            block_refs=rc[node.block],
+            leaf=all(c.block is None for c in self._children(node)),  # [R48]: device leaf
+            block_refs=0 if node.block is None else rc[node.block],
             pins=pins,
+            on_device=node.block is not None,
         )
 
     def _checkpoint_state(self, c: _Checkpoint) -> CheckpointState:
@@ -416,6 +455,19 @@ class ReferenceCache:
         # [R10]: smallest (tick, serial) first.
         rc = self._refcounts()
         nodes = [n for n in self._nodes if self._node_state(n, rc) is NodeState.EVICTABLE]
+        return sorted(nodes, key=lambda n: (n.tick, n.serial))
+
+    def _host_index(self) -> list[_Node]:
+        # [R51]: offloaded leaves whose host block only the node holds, by (tick, serial).
+        rc, hrc = self._refcounts(), self._host_refcounts()
+        nodes = [
+            n
+            for n in self._nodes
+            if self._node_state(n, rc) is NodeState.OFFLOADED
+            and not self._children(n)
+            and n.host is not None
+            and hrc[n.host] == 1
+        ]
         return sorted(nodes, key=lambda n: (n.tick, n.serial))
 
     def _checkpoint_index(self) -> list[_Checkpoint]:
@@ -444,13 +496,48 @@ class ReferenceCache:
         if not index:
             return False
         node = index[0]
-        NODE.step(NodeTrigger.FREE, NodeState.EVICTABLE.value, f"node #{node.serial}")
+        if node.residency == Residency.MIRRORED.value:  # [R48]: offload, keep the node
+            NODE.step(NodeTrigger.OFFLOAD, NodeState.EVICTABLE.value, f"node #{node.serial}")
+        else:
+            NODE.step(NodeTrigger.FREE, NodeState.EVICTABLE.value, f"node #{node.serial}")
         if node.checkpoint is not None:
             self._drop_checkpoint(node.checkpoint, CheckpointTrigger.EVICT)
             self._stats["evicted_checkpoints"] += 1
+        if node.residency == Residency.MIRRORED.value:
+            node.residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, node.residency)
+            node.block = None
+            return True
+        below = self._descendants(node)  # [R48]: all host-only, freed with it
+        rc = self._refcounts()
+        for gone in below:
+            NODE.step(NodeTrigger.FREE, self._node_state(gone, rc).value, f"node #{gone.serial}")
+            self._nodes.remove(gone)
+            gone.attached = False
+        self._stats["host_evicted_blocks"] += len(below)
         self._nodes.remove(node)
         node.attached = False
         return True
+
+    def _descendants(self, node: _Node) -> list[_Node]:
+        out: list[_Node] = []
+        for child in self._children(node):
+            out += [child, *self._descendants(child)]
+        return out
+
+    def _evict_host(self, n: int) -> int:
+        """Host eviction ([R51]): LRU offloaded leaves no request or copy holds."""
+        freed = 0
+        while freed < n:
+            index = self._host_index()
+            if not index:
+                break
+            node = index[0]
+            NODE.step(NodeTrigger.FREE, NodeState.OFFLOADED.value, f"node #{node.serial}")
+            self._nodes.remove(node)
+            node.attached = False
+            freed += 1
+        self._stats["host_evicted_blocks"] += freed
+        return freed
 
     def _evict_blocks(self, n: int) -> int:
         """KV eviction as in `evict(n)` ([R23]); returns the number of blocks freed."""
@@ -551,6 +638,29 @@ class ReferenceCache:
         self._stats["copies_reaped"] += 1
         if cp.failed:
             self._stats["copies_failed"] += 1
+        if cp.kind == "store":  # [R47]
+            for node in cp._nodes:
+                if cp.failed:
+                    node.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, node.residency)
+                    node.host = None
+                else:
+                    node.residency = RESIDENCY.step(ResidencyTrigger.STORED, node.residency)
+                    self._stats["stored_blocks"] += 1
+        elif cp.kind == "load":  # [R50]
+            for node in cp._nodes:
+                if cp.failed:
+                    node.residency = RESIDENCY.step(ResidencyTrigger.LOAD_FAILED, node.residency)
+                    node.block = None  # private to the requests that still hold it
+                else:
+                    node.residency = RESIDENCY.step(ResidencyTrigger.LOADED, node.residency)
+                    self._stats["loaded_blocks"] += 1
+            if cp.failed:
+                for seq in self._sequences:  # cut every request that reads a failed block
+                    for i, node in enumerate(seq._path):
+                        if node in cp._nodes:
+                            del seq._path[i:]
+                            seq._load_failed = True
+                            break
 
     # ------------------------------------------------------------------ argument checks
 
@@ -598,6 +708,28 @@ class ReferenceCache:
         if self._num_slots == 0:  # [R13]
             seq._path = walked[:limit]
             seq.num_cached_tokens = limit * B
+            if self._num_host:  # [R50]: the device part, then the host part
+                depth, waiting = 0, 0
+                host_part = walked[:limit]
+                for node in walked[:limit]:
+                    if node.block is None:
+                        host_part = walked[depth:limit]
+                        break
+                    load = self._load_of(node)
+                    if load is not None and load.failed:  # unreadable, and all below it
+                        host_part = []
+                        break
+                    if load is not None and not load.done:
+                        waiting += 1
+                        if load not in seq._loads:
+                            seq._loads.append(load)
+                    depth += 1
+                else:
+                    host_part = []
+                seq._path = walked[:depth]
+                seq._host_path = host_part
+                seq.num_cached_tokens = (depth + len(host_part)) * B
+                seq.num_host_tokens = (len(host_part) + waiting) * B
         else:
             for d in range(limit, -1, -1):
                 anchor = root if d == 0 else walked[d - 1]
@@ -632,6 +764,7 @@ class ReferenceCache:
             "query_tokens": len(toks),
             "hit_tokens": seq.num_cached_tokens,
             "checkpoint_hits": 0 if seq.restore is None else 1,
+            "host_hit_tokens": seq.num_host_tokens,
         }
         for name, value in seq._match_stats.items():
             self._stats[name] += value
@@ -651,14 +784,23 @@ class ReferenceCache:
                 f"allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, "
                 f"got {n}"
             )
+        self._refuse_unloaded("allocate", s)
         need = -(-n // self._B) - len(s.block_ids)  # [R15]
         if need <= 0:
             return
         self._grow(s, need)
 
+    def _refuse_unloaded(self, op: str, s: ModelSequence) -> None:
+        """[R50]: the operation needs the whole hit on the device."""
+        if s._load_failed:
+            raise HostTierError(f"{op}: the load of sequence #{s._id} failed; abort it")
+        if s._host_path:
+            raise HostTierError(f"{op}: sequence #{s._id} must load its host part first")
+
     def commit(self, seq: ModelSequence, num_tokens: int) -> None:
         s = self._check_seq(seq, "commit")
         n = _check_int(num_tokens, "commit: num_tokens")
+        self._refuse_unloaded("commit", s)
         covered = len(s.block_ids) * self._B
         high = min(len(s.tokens), covered)
         if not s.num_committed_tokens <= n <= high:
@@ -666,23 +808,132 @@ class ReferenceCache:
                 f"commit: num_tokens must be in [{s.num_committed_tokens}, {high}] for "
                 f"sequence #{s._id}, got {n}"
             )
+        if self._num_host and len(s._path) < n // self._B:
+            self._refuse_reading_unloaded(s, n // self._B)
         self._clock += 1  # [R7]
         tick = self._clock
         parent = s._path[-1] if s._path else self._roots[s.namespace]
+        attached: list[_Node] = []
         for i in range(len(s._path), n // self._B):
             key = self._key(s.tokens, s.extra, i)
             child = self._child(parent, key)
-            if child is not None:  # [R18]
+            if child is not None and child.block is None:  # [R49]: adopt the computed block
+                child.block = s.block_ids[i]
+                child.residency = RESIDENCY.step(ResidencyTrigger.ADOPT, child.residency)
+            elif child is not None:  # [R18]
                 assert child.block is not None
                 s.block_ids[i] = child.block  # drops the private block, takes the node's
             else:  # [R19]
                 self._node_serial += 1
                 child = _Node(self._node_serial, s.namespace, parent, key, s.block_ids[i], tick)
                 self._nodes.append(child)
+                attached.append(child)
             child.tick = tick  # [R8]
             s._path.append(child)
             parent = child
         s.num_committed_tokens = n
+        if self._num_host and attached:
+            self._store(attached)
+
+    def _refuse_reading_unloaded(self, s: ModelSequence, full: int) -> None:
+        """[R50]: no commit reads a block whose load has not finished, its own or one
+        it would share."""
+        for cp in s._loads:
+            if cp.failed or not cp.done:
+                raise HostTierError(f"commit: sequence #{s._id} waits on load copy #{cp._id}")
+        s._loads = []
+        node = s._path[-1] if s._path else self._roots.get(s.namespace)
+        for i in range(len(s._path), full):
+            if node is None:
+                return
+            node = self._child(node, self._key(s.tokens, s.extra, i))
+            load = None if node is None else self._load_of(node)
+            if load is not None and (load.failed or not load.done):
+                raise HostTierError(f"commit: block {i} of sequence #{s._id} is being loaded")
+
+    def _store(self, nodes: list[_Node]) -> None:
+        """[R47]: write-through, one copy for the blocks a commit attached, each into a
+        free host block (host eviction makes one); the rest stay device-only."""
+        storing: list[_Node] = []
+        for node in nodes:
+            if not self._free_host_list():
+                self._evict_host(1)
+            free = self._free_host_list()
+            if not free:
+                break
+            node.host = free[0]
+            node.residency = RESIDENCY.step(ResidencyTrigger.STORE, node.residency)
+            storing.append(node)
+        if not storing:
+            return
+        blocks = [n.block for n in storing if n.block is not None]
+        hosts = [n.host for n in storing if n.host is not None]
+        cp = self._new_copy("store", blocks, hosts, storing, [])
+        self._settle(cp)
+
+    def _new_copy(
+        self,
+        kind: str,
+        blocks: list[int],
+        hosts: list[int],
+        nodes: list[_Node],
+        waits_on: list[int],
+    ) -> ModelCopy:
+        """A store or load copy holding `blocks` and `hosts` ([R35], [R36])."""
+        touches = {("block", b) for b in (*blocks, *waits_on)} | {("host_block", h) for h in hosts}
+        self._copy_counter += 1
+        cp = ModelCopy(self, self._copy_counter, kind, 0, list(blocks), [], frozenset(touches))
+        cp._host_blocks = list(hosts)
+        cp._nodes = list(nodes)
+        self._copies.append(cp)
+        return cp
+
+    def load(self, seq: ModelSequence) -> ModelCopy | None:
+        """[R50]: device blocks for the host part, one copy for them, shared loads."""
+        s = self._check_seq(seq, "load")
+        if s._load_failed:
+            raise HostTierError(f"load: the load of sequence #{s._id} failed; abort it")
+        if any(cp.failed for cp in s._loads):
+            raise HostTierError(f"load: a load sequence #{s._id} waits on failed")
+        pending = [cp for cp in s._loads if not cp.done and not cp.failed]
+        nodes = s._host_path
+        own = [n for n in nodes if n.block is None]
+        shared = [n for n in nodes if n.block is not None]
+        for node in shared:
+            load = self._load_of(node)
+            if load is not None and load.failed:
+                raise HostTierError(f"load: load copy #{load._id} failed; poll() and retry")
+        s.block_ids += [n.block for n in shared if n.block is not None]  # held first
+        if not self._can_get_blocks(len(own)):
+            del s.block_ids[len(s.block_ids) - len(shared) :]
+            raise OutOfBlocks(f"load: sequence #{s._id} needs {len(own)} blocks")
+        blocks = self._get_blocks(len(own)) if own else []
+        del s.block_ids[len(s.block_ids) - len(shared) :]
+        for node in shared:
+            load = self._load_of(node)
+            if load is not None and not load.done and load not in pending:
+                pending.append(load)
+        for node, block in zip(own, blocks, strict=True):
+            node.block = block
+            node.residency = RESIDENCY.step(ResidencyTrigger.LOAD, node.residency)
+        s._path += nodes
+        s.block_ids += [n.block for n in nodes if n.block is not None]
+        s._host_path = []
+        if not own and len(pending) <= 1:
+            s._loads = pending
+            return pending[0] if pending else None
+        waits_on = [b for cp in pending for kind, b in cp._touches if kind == "block"]
+        hosts = [n.host for n in own if n.host is not None]
+        cp = self._new_copy("load", blocks, hosts, own, waits_on)
+        s._loads = [*pending, cp] if own else pending
+        self._settle(cp)
+        return cp
+
+    def evict_host(self, n: int) -> int:
+        k = _check_int(n, "evict_host: n")
+        if k < 0:
+            raise InvalidArgument(f"evict_host: n must be >= 0, got {k}")
+        return self._evict_host(k)
 
     def release(self, seq: ModelSequence) -> None:
         s = self._check_seq(seq, "release")
@@ -875,7 +1126,14 @@ class ReferenceCache:
             return
         if copy.done:
             raise InvalidArgument(f"fail: copy #{copy._id} already finished")
+        self._fail(copy)
+
+    def _fail(self, copy: ModelCopy) -> None:
         copy.failed = True
+        if copy.kind == "load":  # [R50]: the loads ordered after it fail too
+            for other in self.pending():
+                if other.kind == "load" and other._touches & copy._touches:
+                    self._fail(other)
         if copy.kind == "save":
             (c,) = copy._pins
             CHECKPOINT.step(
@@ -893,7 +1151,7 @@ class ReferenceCache:
         for earlier in self._copies:
             if earlier is copy:
                 break
-            if not earlier.done and earlier._touches & copy._touches:
+            if not earlier.done and not earlier.failed and earlier._touches & copy._touches:
                 self._complete(earlier)
         copy.done = True
 
@@ -907,11 +1165,19 @@ class ReferenceCache:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._nodes)
+        return sum(1 for n in self._nodes if n.block is not None)  # [R44]; offloaded: none
 
     @property
     def num_free_checkpoint_slots(self) -> int:
         return len(self._free_slot_list())
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host_list())
+
+    @property
+    def num_host_cached_blocks(self) -> int:
+        return sum(1 for n in self._nodes if n.host is not None)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -935,8 +1201,8 @@ class ReferenceCache:
                 tick=n.tick,
                 serial=n.serial,
                 checkpoint=None if n.checkpoint is None else n.checkpoint.serial,
-                block_host=None,
-                residency=Residency.DEVICE.value,
+                block_host=n.host,
+                residency=n.residency,
             )
         checkpoints: dict[int, CheckpointView] = {}
         for c in self._live_checkpoints():
@@ -965,8 +1231,8 @@ class ReferenceCache:
                 num_committed_tokens=s.num_committed_tokens,
                 restore_checkpoint=None if restore_c is None else restore_c.serial,
                 holds_match_pin=s._holds_match_pin,
-                host_path=[],
-                num_host_tokens=0,
+                host_path=[n.serial for n in s._host_path],
+                num_host_tokens=s.num_host_tokens,
             )
         copies: dict[int, CopyView] = {
             cp._id: CopyView(
@@ -975,8 +1241,8 @@ class ReferenceCache:
                 pins=[c.serial for c in cp._pins],
                 done=cp.done or cp.failed,
                 state=cp.state,
-                host_blocks=[],
-                nodes=[],
+                host_blocks=list(cp._host_blocks),
+                nodes=[n.serial for n in cp._nodes],
             )
             for cp in self._copies
         }
@@ -999,9 +1265,9 @@ class ReferenceCache:
             event_blocks=None,
             event_checkpoint_slots=None,
             stats=stats,
-            host_capacity=0,
-            free_host_blocks=[],
-            host_refcounts={},
-            host_index=[],
+            host_capacity=self._num_host,
+            free_host_blocks=self._free_host_list(),
+            host_refcounts=self._host_refcounts(),
+            host_index=[n.serial for n in self._host_index()],
             event_host_blocks=None,
         )

@@ -9,6 +9,9 @@ with the same operations and compares what they observe after every step.
   class, and a failing operation must leave the cache's observable state as it was.
 - `check()` (every spec invariant) runs as an `@invariant` on the cache, and
   the same predicates run on the model's snapshot.
+- With a host tier (drawn for some runs): stores and loads are queued on the
+  same `ManualCopies`, completed or failed in any order by index, and `load`,
+  `evict_host` are rules ([R47]-[R51]).
 - Data: every save writes a unique pattern into a fresh runtime state (and
   prefix-derived values into the partial tail's KV); every restore must read
   back exactly what was saved for that prefix, which catches a slot or frozen
@@ -86,11 +89,13 @@ class CacheVersusModel(RuleBasedStateMachine):
         num_blocks=st.integers(4, 10),
         slots=st.sampled_from([0, 1, 2, 3]),
         collide=st.booleans(),
+        host=st.sampled_from([0, 0, 2, 6]),
     )
-    def setup(self, block_size: int, num_blocks: int, slots: int, collide: bool) -> None:
+    def setup(self, block_size: int, num_blocks: int, slots: int, collide: bool, host: int) -> None:
         """`collide`: the cache hashes every block key to 0, so exact comparison alone decides."""
         self.block_size = block_size
         self.ssm = slots > 0
+        self.host = host > 0
         self.manual = ManualCopies()
         self.cache = BlockTrie(
             CacheConfig(
@@ -104,10 +109,13 @@ class CacheVersusModel(RuleBasedStateMachine):
                 device=self.device,
                 key_hash=(lambda key: 0) if collide else None,
                 enable_events=True,  # so check() also replays them (invariant 10)
+                num_host_blocks=host,
             ),
             copies=self.manual,
         )
-        self.model = ReferenceCache(block_size, num_blocks, slots, manual_copies=True)
+        self.model = ReferenceCache(
+            block_size, num_blocks, slots, manual_copies=True, num_host_blocks=host
+        )
         self.patterns = 0
         self.saved: dict[tuple[Any, ...], float] = {}
         self.pending_restores: list[PendingRestore] = []
@@ -167,6 +175,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert out is not None
         real, model = out
         assert real.num_cached_tokens == model.num_cached_tokens
+        assert real.num_host_tokens == model.num_host_tokens
         assert real.branch_step == model.branch_step
         assert len(real.block_ids) == len(model.block_ids)
         assert (real.restore is None) == (model.restore is None)
@@ -178,8 +187,10 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
     def prefill(self, tokens: list[int], namespace: str, extra: list[str | None] | None) -> Any:
-        """match + allocate + commit the whole prompt: what most requests do."""
+        """match (+ load) + allocate + commit the whole prompt: what most requests do."""
         pair = self.match(tokens, namespace, extra)
+        if self.host:
+            self.load(pair)
         n = len(tokens)
         if self.both(
             lambda: self.cache.allocate(pair.real, n), lambda: self.model.allocate(pair.model, n)
@@ -228,6 +239,42 @@ class CacheVersusModel(RuleBasedStateMachine):
     def abort(self, seq: Pair) -> None:
         self.both(lambda: self.cache.abort(seq.real), lambda: self.model.abort(seq.model))
         self.open_sequences.pop(id(seq.real), None)
+
+    @precondition(lambda self: self.host)
+    @rule(seq=live)
+    def load(self, seq: Pair) -> None:
+        out = self.both(lambda: self.cache.load(seq.real), lambda: self.model.load(seq.model))
+        if out is not None:
+            real, model = out
+            assert (real is None) == (model is None)
+            if real is not None:
+                assert (real.kind, real.state) == (model.kind, model.state)
+            assert seq.real.block_ids == tuple(seq.real.block_ids)
+            assert len(seq.real.block_ids) == len(seq.model.block_ids)
+
+    @precondition(lambda self: self.host)
+    @rule(n=st.integers(0, 3))
+    def evict_host(self, n: int) -> None:
+        out = self.both(lambda: self.cache.evict_host(n), lambda: self.model.evict_host(n))
+        assert out is not None and out[0] == out[1]
+
+    @precondition(lambda self: self.host and bool(self.manual.pending()))
+    @rule(pick=st.integers(0, 7), fail=st.booleans())
+    def finish_a_pending_copy(self, pick: int, fail: bool) -> None:
+        """Any pending copy (stores and loads included) completes or fails, by index."""
+        real_pending, model_pending = self.manual.pending(), self.model.pending()
+        assert len(real_pending) == len(model_pending)
+        real, model = (
+            real_pending[pick % len(real_pending)],
+            model_pending[pick % len(real_pending)],
+        )
+        assert real.kind == model.kind
+        if fail:
+            self.both(lambda: self.manual.fail(real), lambda: self.model.fail(model))
+        else:
+            self.both(lambda: self.manual.complete(real), lambda: self.model.complete(model))
+        assert real.state == model.state
+        self._check_restored_data()
 
     @rule(tokens=TOKENS, namespace=NAMESPACES)
     def match_then_abort_is_an_exact_undo(self, tokens: list[int], namespace: str) -> None:
@@ -406,12 +453,15 @@ class CacheVersusModel(RuleBasedStateMachine):
         self._check_restored_data()
         capacity = self.cache.config.num_blocks
         assert self.cache.evict(capacity) == self.model.evict(capacity)
+        host = self.cache.config.num_host_blocks
+        assert self.cache.evict_host(host) == self.model.evict_host(host)
         slots = self.cache.config.num_checkpoint_slots
         assert self.cache.evict_checkpoints(slots) == self.model.evict_checkpoints(slots)
         for impl in (self.cache, self.model):
             assert impl.num_free_blocks == capacity
             assert impl.num_cached_blocks == 0
             assert impl.num_free_checkpoint_slots == slots
+            assert impl.num_free_host_blocks == host
         self.cache.check()
 
     # --------------------------------------------------------- invariants
@@ -432,6 +482,8 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert self.cache.num_free_blocks == self.model.num_free_blocks
         assert self.cache.num_cached_blocks == self.model.num_cached_blocks
         assert self.cache.num_free_checkpoint_slots == self.model.num_free_checkpoint_slots
+        assert self.cache.num_free_host_blocks == self.model.num_free_host_blocks
+        assert self.cache.num_host_cached_blocks == self.model.num_host_cached_blocks
 
     @invariant()
     def pinned_checkpoints_are_never_released_nor_their_slots_reused(self) -> None:

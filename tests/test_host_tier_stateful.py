@@ -9,8 +9,8 @@ still loading, and every announced host block hold exactly their tokens. A
 block freed or reused while a copy still read or wrote it would break one of
 these.
 
-The reference model does not have the host tier yet, so this test compares
-against the invariants and the data, not against `spec.model`.
+`tests/test_differential.py` compares the host tier with the reference model;
+this test adds what the model cannot see: the tensors.
 """
 
 from __future__ import annotations
