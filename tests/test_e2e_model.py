@@ -31,6 +31,7 @@ from cache.testing import (
     compare_with_cold,
     run_chat,
 )
+from spec.snapshot import node_path
 
 VOCAB = 6
 CPU_MODEL = TinyHybridModel(TinyHybridConfig(vocab_size=VOCAB, seed=11))
@@ -77,6 +78,8 @@ class Scenario:
     namespaces: tuple[str, ...] | None = None
     """One cache namespace per conversation (None: all in the default one)."""
     abort_prob: float = 0.0
+    host_blocks: int = 0
+    """Blocks of the host-memory tier (0: none)."""
 
     def longest_conversation(self) -> int:
         return max(
@@ -120,6 +123,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             st.none() | st.tuples(*[st.sampled_from(["", "tenant-b"]) for _ in conversations])
         ),
         abort_prob=draw(st.sampled_from([0.0, 0.0, 0.3])),
+        host_blocks=draw(st.sampled_from([0, 0, 3, 32])),
     )
 
 
@@ -134,6 +138,7 @@ def serve(
         # An attention-only model gets an attention-only cache.
         num_checkpoint_slots=sc.num_checkpoint_slots if model.state_shapes() else 0,
         device=device,
+        num_host_blocks=sc.host_blocks,
     )
     copies = ManualCopies() if sc.manual_copies else None
     trie = BlockTrie(config, copies=copies)
@@ -179,9 +184,11 @@ def assert_cache_returns_to_empty(engine: Engine) -> None:
     assert trie.stats.pins == 0
     trie.evict_checkpoints(trie.config.num_checkpoint_slots)
     trie.evict(trie.config.num_blocks)
+    trie.evict_host(trie.config.num_host_blocks)
     trie.check()
     assert trie.num_free_blocks == trie.config.num_blocks
     assert trie.num_free_checkpoint_slots == trie.config.num_checkpoint_slots
+    assert trie.num_free_host_blocks == trie.config.num_host_blocks
 
 
 @settings(
@@ -285,6 +292,54 @@ def test_preemption_recomputes_and_still_matches_cold() -> None:
     results, engine = serve(CPU_MODEL, sc)
     assert engine.preemptions > 0
     assert_identical_to_cold(CPU_MODEL, results)
+    assert_cache_returns_to_empty(engine)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_host_tier_round_trip_is_bit_identical_and_outputs_match_cold(manual: bool) -> None:
+    """A device too small for the chats: evicted KV goes to the host tier and comes
+    back on a hit. Every loaded block equals, bit for bit, what was computed, and
+    every output equals a cold run."""
+    model = CPU_MODELS["attention-only"]
+    rng = random.Random(5)
+    system = [rng.randrange(VOCAB) for _ in range(9)]
+    chats = [
+        [((*system, *(rng.randrange(VOCAB) for _ in range(4))), 3), ((1, 2, 3), 2)]
+        for _ in range(4)
+    ]
+    config = model.cache_config(
+        block_size=2, num_blocks=24, num_checkpoint_slots=0, num_host_blocks=256
+    )
+    copies = ManualCopies() if manual else None
+    trie = BlockTrie(config, copies=copies)
+    engine = Engine(
+        model, trie, max_running=2, chunk_size=3, copies=copies, complete_prob=0.5, seed=1,
+        check=True,
+    )  # fmt: skip
+    first = run_chat(engine, chats)
+    engine.drain()
+    kv, host = trie.kv_cache, trie.host_cache
+    assert kv is not None and host is not None
+    snap = trie.snapshot()
+    computed = {  # every block with a host copy (by its prefix): its KV as computed
+        node_path(snap, nid): host[n["block_host"]].clone()
+        for nid, n in snap["nodes"].items()
+        if n["block_host"] is not None
+    }
+    for n in snap["nodes"].values():
+        if n["block"] is not None and n["block_host"] is not None:
+            assert torch.equal(kv[n["block"]], host[n["block_host"]]), "store changed the KV"
+    trie.evict(trie.config.num_blocks)
+    second = run_chat(engine, chats)  # served from the host tier
+    engine.drain()
+    stats = trie.stats
+    assert stats.host_hit_tokens > 0 and stats.loaded_blocks > 0 and engine.loads > 0, stats
+    snap = trie.snapshot()
+    for nid, n in snap["nodes"].items():
+        if n["block"] is not None and node_path(snap, nid) in computed:
+            assert torch.equal(kv[n["block"]], computed[node_path(snap, nid)]), "a loaded block"
+    assert [r.generated for c in first for r in c] == [r.generated for c in second for r in c]
+    assert_identical_to_cold(model, first + second)
     assert_cache_returns_to_empty(engine)
 
 

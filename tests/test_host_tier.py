@@ -449,3 +449,38 @@ def test_offloaded_node_state_is_the_spec_state() -> None:
     trie.evict(1)
     states = {n["state"] for n in trie.snapshot()["nodes"].values() if n["parent"] is not None}
     assert NodeState.OFFLOADED.value in states
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_host_tier_is_pinned_and_round_trips_on_the_side_stream() -> None:
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=8,
+        num_host_blocks=16,
+        kv_block_shape=(B,),
+        kv_dtype=torch.float64,
+        device="cuda",
+        enable_events=True,
+    )
+    trie = BlockTrie(config)
+    host = trie.host_cache
+    assert host is not None and host.is_pinned() and host.device.type == "cpu"
+    seq = trie.match(A)
+    trie.allocate(seq, len(A))
+    compute(trie, seq, A)
+    trie.commit(seq, len(A))
+    trie.release(seq)
+    torch.cuda.synchronize()
+    trie.poll()
+    assert trie.stats.stored_blocks == 3
+    assert trie.evict(10) == 3
+    trie.kv_cache.fill_(-1.0)  # type: ignore[union-attr]
+    seq = trie.match(A)
+    copy = trie.load(seq)
+    assert copy is not None
+    copy.wait()  # the current stream waits on the load's event
+    assert_reads(trie, seq, A)
+    torch.cuda.synchronize()
+    trie.poll()
+    trie.release(seq)
+    trie.check()

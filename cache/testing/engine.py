@@ -64,6 +64,10 @@ class _Running:
     """Copies that read or write this request's state/KV and are not yet waited on."""
 
 
+class _Retry(Exception):
+    """Admission must wait: no room now, but running requests will free some."""
+
+
 class EngineCapacityError(RuntimeError):
     """A single request does not fit in the cache even with nothing else running."""
 
@@ -74,7 +78,9 @@ class Engine:
     It uses only the public cache API, in the order a real engine does:
 
     1. Admission (FCFS, at most ``max_running`` requests): ``match`` the
-       request's tokens; if the match found a checkpoint, ``restore`` it into
+       request's tokens; with a host tier, ``load`` the part of the hit that
+       lives in host memory (the load is waited on before the request reads
+       its KV); if the match found a checkpoint, ``restore`` it into
        the request's runtime-state slot (the slot is zeroed first, and any
        copy still reading the slot from its previous owner is waited on).
     2. Each scheduler step (``step``): ``poll`` once, admit, then advance
@@ -203,6 +209,8 @@ class Engine:
         """Restores from a checkpoint inside a block (a frozen tail is restored too)."""
         self.aborts = 0
         """Tentative matches the scheduler rejected (``abort_prob``)."""
+        self.loads = 0
+        """Load copies queued for host-resident hits (a host tier only)."""
 
     # ------------------------------------------------------------------ public
 
@@ -261,6 +269,8 @@ class Engine:
         self._outstanding.clear()
         for copies in self._slot_copies:
             copies.clear()
+        if self.copies is not None:  # the host tier's stores, which no request waits on
+            self.copies.complete_all()
         return self.trie.poll()
 
     # ---------------------------------------------------------------- internals
@@ -295,7 +305,17 @@ class Engine:
                 self.trie.abort(seq)
                 self.aborts += 1
                 return
+            load: Copy | None = None
+            if seq.num_host_tokens:
+                try:
+                    load = self._load(seq)
+                except _Retry:
+                    self.trie.abort(seq)
+                    return  # no room to load into now: retry when requests have finished
             run = _Running(result, seq, slot, tokens, seq.num_cached_tokens, len(tokens))
+            if load is not None:
+                self._track(run, load)
+                self.loads += 1
             if seq.restore is not None:
                 restore = self._restore(run, state)
                 if restore is None:
@@ -309,6 +329,20 @@ class Engine:
             if result.preemptions == 0:
                 result.num_cached_tokens = seq.num_cached_tokens
             self._running.append(run)
+
+    def _load(self, seq: TrieSequence) -> Copy | None:
+        """Queue the load of `seq`'s host-resident hit, reclaiming memory as for an
+        allocation; raises `_Retry` when only finishing running requests would help."""
+        while True:
+            try:
+                return self.trie.load(seq)
+            except OutOfBlocks:
+                if not self._reclaim_cheap():
+                    if self._running:
+                        raise _Retry from None
+                    raise EngineCapacityError(
+                        f"{seq!r}: no room to load its host-resident hit even with nothing running"
+                    ) from None
 
     def _restore(self, run: _Running, state: dict[str, torch.Tensor]) -> Copy | None:
         while True:

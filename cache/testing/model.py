@@ -470,11 +470,13 @@ class TinyHybridModel:
         num_blocks: int,
         num_checkpoint_slots: int,
         device: str | torch.device | None = None,
+        num_host_blocks: int = 0,
     ) -> CacheConfig:
         """A `cache.CacheConfig` whose KV and state layouts fit this model.
 
         ``kv_block_shape``, ``state_shapes`` and both dtypes come from the
-        model; ``device`` defaults to the model's.
+        model; ``device`` defaults to the model's; ``num_host_blocks`` > 0
+        adds a host-memory tier.
         """
         from cache.config import CacheConfig
 
@@ -487,6 +489,7 @@ class TinyHybridModel:
             state_shapes=self.state_shapes(),
             state_dtype=self.dtype,
             device=self.config.device if device is None else device,
+            num_host_blocks=num_host_blocks,
         )
 
 
