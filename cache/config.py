@@ -17,7 +17,7 @@ KeyHash = Callable[[Hashable], int]
 BLOCK_HASH_SCHEMES = SCHEMES
 """`CacheConfig.block_hash` values (`cache.block_hash.SCHEMES`)."""
 
-HOST_WRITE_POLICIES = ("through",)
+HOST_WRITE_POLICIES = ("through", "back")
 """`CacheConfig.host_write` values: when blocks are copied to the host tier."""
 
 
@@ -77,7 +77,8 @@ class CacheConfig:
       and device eviction keeps them there, so a later `match` can `load` them
       back instead of recomputing (docs/host-tier.md).
     - `host_write`: when blocks are copied to the host tier: "through" (the
-      default and, for now, the only policy: each block as it is committed).
+      default: each block as it is committed) or "back" (only when device
+      eviction picks it; its device block is freed once the copy finished).
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
 
@@ -117,11 +118,12 @@ class CacheConfig:
             raise ConfigError(
                 f"CacheConfig.host_write must be one of {HOST_WRITE_POLICIES}, "
                 f"got {self.host_write!r}"
-                + (
-                    " (write-back is not implemented yet: use 'through')"
-                    if self.host_write == "back"
-                    else ""
-                )
+            )
+        if self.host_write == "back" and self.num_checkpoint_slots > 0:
+            raise ConfigError(
+                "CacheConfig.host_write='back' needs num_checkpoint_slots=0: a checkpoint's "
+                "frozen tail needs a block at once, and write-back frees blocks only when "
+                "their stores finish (use 'through' with SSM checkpoints)"
             )
         if self.kv_block_shape is not None:
             object.__setattr__(

@@ -25,6 +25,7 @@ checkpoint except by evicting it through the `CheckpointStore`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cache.event_log import EventLog
@@ -51,6 +52,7 @@ _EVICTABLE = NodeState.EVICTABLE.value
 _OFFLOADED = NodeState.OFFLOADED.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
 _OFFLOAD = NodeTrigger.OFFLOAD.value
+_SHARE = NodeTrigger.SHARE.value
 _MIRRORED = Residency.MIRRORED.value
 _DEVICE = Residency.DEVICE.value
 
@@ -97,6 +99,9 @@ class Evictor:
         "num_cached",
         "offloaded_children",
         "owner",
+        "queue_write_back",
+        "wait_write_back",
+        "write_back",
     )
 
     def __init__(
@@ -118,6 +123,13 @@ class Evictor:
         self.num_cached = 0
         self.offloaded_children: dict[Node, int] = {}
         """Per attached node with any, how many of its children are `offloaded`."""
+        self.write_back = False
+        """Host tier in write-back mode ([R52]): evicting a `device` leaf stores it first."""
+        self.queue_write_back: Callable[[list[Node]], None] = _no_write_back
+        """Queues one store copy for leaves an eviction chose to write back (the trie's)."""
+        self.wait_write_back: Callable[[], None] = _no_wait
+        """Waits for and reaps the write-back stores in flight, where the copy engine
+        can wait (`DeviceCopies`); does nothing with `ManualCopies` (the trie's)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -227,37 +239,90 @@ class Evictor:
         without entering and leaving the index (an idle chain goes in one
         pass), which frees exactly what the step-by-step order would.
         """
-        freed = 0
+        return self._evict(n)[0]
+
+    def _evict(self, n: int) -> tuple[int, int]:
+        """`evict(n)`; returns (blocks freed, blocks still to be freed by write-back
+        stores this call queued that have not finished)."""
+        freed = 0  # freed directly by this call (write-back frees are counted apart)
+        written = 0  # freed by write-back stores that finished when queued
+        pending = 0  # to be freed by write-back stores still in flight
         index = self.index
         removed: list[Node] | None = [] if self._events.enabled else None
-        while freed < n and index:
-            node = index.oldest()
-            index.remove(node)
-            while True:
-                parent = node.parent
-                freed += self._free(node)
-                if removed is not None and node.parent is None:  # freed, not offloaded
-                    removed.append(node)
-                if parent is None or parent.key is None:
+        backing: list[Node] = []
+        while True:
+            while freed + written + pending + len(backing) < n and index:
+                node = index.oldest()
+                index.remove(node)
+                while True:
+                    parent = node.parent
+                    if (
+                        self.write_back
+                        and node.residency == _DEVICE
+                        and self._begin_write_back(node)
+                    ):
+                        backing.append(node)  # [R52]: freed when its store has finished
+                        break
+                    freed += self._free(node)
+                    if removed is not None and node.parent is None:  # freed, not offloaded
+                        removed.append(node)
+                    if parent is None or parent.key is None:
+                        break
+                    dest = self._implied(parent)
+                    if dest == parent.state:
+                        break
+                    if (
+                        dest == _EVICTABLE
+                        and freed + written + pending + len(backing) < n
+                        and parent.state != _EVICTABLE
+                        and (not index or older(parent, index.oldest()))  # [R10]
+                    ):
+                        parent.state = dest
+                        node = parent
+                        continue
+                    self._enter(parent, dest)
                     break
-                dest = self._implied(parent)
-                if dest == parent.state:
-                    break
-                if (
-                    dest == _EVICTABLE
-                    and freed < n
-                    and parent.state != _EVICTABLE
-                    and (not index or older(parent, index.oldest()))  # [R10]
-                ):
-                    parent.state = dest
-                    node = parent
-                    continue
-                self._enter(parent, dest)
+            if not backing:
                 break
+            before = self._kv.num_free
+            self.queue_write_back(backing)  # a store that finished when queued frees now
+            done = self._kv.num_free - before
+            written += done
+            pending += len(backing) - done
+            backing = []  # their parents may be evictable now: go on
         if removed:
             self._events.removed(removed)
         self._stats.evicted_blocks += freed
-        return freed
+        return freed + written, pending
+
+    def _begin_write_back(self, node: Node) -> bool:
+        """Give `node`, an evictable `device` leaf out of the index, a host block and
+        make it `storing` ([R52]); False when the host tier has no block for it."""
+        host = self.host
+        if host is None:
+            return False
+        host_block = host.reserve_for_store()
+        if host_block is None:
+            return False
+        host.begin_store(node, host_block)
+        # The store's references, taken now (the copy is built when the round
+        # ends): nothing settles it back into an index meanwhile.
+        self._kv.incref(node.block)
+        host.pool.incref(host_block)
+        node.state = NODE.step(_SHARE, node.state, node)  # held: `cached`
+        return True
+
+    def offload_written_back(self, node: Node) -> None:
+        """`node`'s write-back store finished ([R52]): offload it now if it is still an
+        evictable leaf (a request may have matched it meanwhile: then it stays)."""
+        if node.state != _EVICTABLE or node.residency != _MIRRORED:
+            return
+        self.index.remove(node)
+        parent = node.parent
+        freed = self._offload(node)
+        self._stats.evicted_blocks += freed
+        if parent is not None:
+            self.settle(parent)
 
     def _free(self, node: Node) -> int:
         """Detach `node`, an evictable leaf already out of the index, and release its
@@ -333,13 +398,29 @@ class Evictor:
         if short <= 0:
             return
         if not self.room_possible(short):
+            backing = 0 if self.host is None else self.host.num_written_back()
             raise OutOfBlocks(
                 f"need {need} KV blocks: {kv.num_free} free and fewer than {short} "
                 f"reclaimable by eviction (capacity {kv.capacity})"
+                + (
+                    f"; {backing} more are freed when the write-back stores in flight finish"
+                    if backing
+                    else ""
+                )
             )
-        freed = self.evict(short)
-        if freed < short:
-            self._stats.evicted_blocks += self.checkpoints.evict_frozen_tails(short - freed)
+        freed, pending = self._evict(short)
+        if freed + pending < short:
+            self._stats.evicted_blocks += self.checkpoints.evict_frozen_tails(
+                short - freed - pending
+            )
+        if kv.num_free < need:
+            if pending:
+                self.wait_write_back()
+            if kv.num_free < need:  # [R52]: the stores stay queued
+                raise OutOfBlocks(
+                    f"need {need} KV blocks: {kv.num_free} free; {pending} more are freed "
+                    "when the write-back stores in flight finish (complete them, poll, retry)"
+                )
 
     def room_possible(self, short: int) -> bool:
         """Whether `make_room` can free `short` more blocks (no change made)."""
@@ -387,3 +468,11 @@ class Evictor:
             if count >= limit:
                 break
         return count
+
+
+def _no_write_back(nodes: list[Node]) -> None:
+    raise InvariantViolation("host tier", "a write-back store with no host tier to queue it")
+
+
+def _no_wait() -> None:
+    """Without write-back there is nothing to wait for."""

@@ -52,7 +52,16 @@ _FREE = NodeTrigger.FREE.value
 class HostTier:
     """The host pool, the host eviction index, and the residency of every node."""
 
-    __slots__ = ("_events", "_evictor", "_kv", "_stats", "index", "loading", "pool")
+    __slots__ = (
+        "_events",
+        "_evictor",
+        "_kv",
+        "_stats",
+        "index",
+        "loading",
+        "pool",
+        "write_backs",
+    )
 
     def __init__(
         self, pool: KVBlockPool, kv: KVBlockPool, stats: CacheStats, events: EventLog
@@ -65,6 +74,8 @@ class HostTier:
         self.index: LRUIndex[Node] = LRUIndex()
         self.loading: dict[Node, Copy] = {}
         """Each `loading` node's load copy, until it is reaped."""
+        self.write_backs: dict[int, Copy] = {}
+        """Write-back store copies in flight, by serial ([R52])."""
 
     def bind(self, evictor: Evictor) -> None:
         """Called once by the trie: the evictor whose device blocks this tier mirrors."""
@@ -82,6 +93,10 @@ class HostTier:
         """Host blocks owned by attached nodes (storing, mirrored, host or loading): every
         host block in use is owned by one; requests and copies only add references."""
         return self.pool.capacity - self.pool.num_free
+
+    def num_written_back(self) -> int:
+        """Device blocks that write-back stores in flight will free ([R52])."""
+        return sum(len(copy.nodes) for copy in self.write_backs.values())
 
     # ---------------------------------------------------------------- match
 

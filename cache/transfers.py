@@ -221,6 +221,9 @@ class Transfers:
         self._stats.copies_reaped += 1
         if failed_loads:
             self.on_load_failed(failed_loads)
+        if host is not None and host.write_backs.pop(copy.serial, None) is not None:
+            for node in copy.nodes:  # [R52]: the store was for an eviction
+                evictor.offload_written_back(node)
 
     def poll(self) -> int:
         """Reap every finished copy, oldest first; returns how many."""

@@ -41,7 +41,7 @@ import torch
 from cache import inspection
 from cache.checkpoints import CheckpointStore
 from cache.config import CacheConfig
-from cache.copies import Copy, CopyEngine, DeviceCopies
+from cache.copies import Copy, CopyEngine, DeviceCopies, ManualCopies
 from cache.event_log import EventLog
 from cache.events import Event
 from cache.eviction import Evictor
@@ -155,6 +155,11 @@ class BlockTrie:
         )
         self._transfers.host = self._host
         self._transfers.on_load_failed = self._cut_failed_loads
+        self._write_back = self._host is not None and config.host_write == "back"
+        if self._write_back:
+            self._evictor.write_back = True
+            self._evictor.queue_write_back = self._queue_write_back
+            self._evictor.wait_write_back = self._wait_write_back
         self._roots: dict[str, Node] = {}
         self._clock = 0
         self._node_serial = 0
@@ -615,7 +620,7 @@ class BlockTrie:
             first = full - len(stored)
             self._events.stored(stored, keys[first:full], seq.blocks[first:full], size)
             seq.num_committed_tokens = n
-            if host is not None and stored:
+            if host is not None and stored and not self._write_back:
                 self._store(stored)
         finally:
             self._gate.release()
@@ -662,6 +667,47 @@ class BlockTrie:
         node.tick = tick  # [R8]
         self._evictor.settle(node)
         self._events.back_on_device([node])
+
+    def _queue_write_back(self, nodes: list[Node]) -> None:
+        """Write-back ([R52]): eviction chose `nodes` (given host blocks, `storing`,
+        the store's references on both blocks taken); queue their store. Each is
+        offloaded when it finishes; if queuing fails they are `device` leaves
+        again, their host blocks freed."""
+        host = self._host
+        if host is None:
+            raise HostTierError("write-back without a host tier")
+        copy = self._transfers.number(host.store_moves(nodes))
+        copy.blocks = [n.block for n in nodes]  # references taken by the evictor
+        copy.host_blocks = [n.host for n in nodes]
+        copy.nodes = list(nodes)
+        host.write_backs[copy.serial] = copy
+        for node in nodes:
+            self._evictor.settle(node)  # held by the copy: cached, out of the index
+
+        def undo() -> None:
+            del host.write_backs[copy.serial]
+            for node in nodes:
+                node.residency = Residency.DEVICE.value
+                host.pool.decref(node.host)  # the node's: the block is free again
+                node.host = NO_BLOCK
+                self._evictor.settle(node)
+
+        with contextlib.suppress(CacheError):  # a failed store is undone: device-only
+            self._transfers.launch(copy, undo)
+
+    def _wait_write_back(self) -> None:
+        """Make room waits for the write-back stores in flight ([R52]): with an engine
+        that can wait (`DeviceCopies`), wait for each and reap it; `ManualCopies`
+        cannot (its copies finish when the test says), so nothing happens."""
+        host = self._host
+        engine = self._transfers.engine
+        if host is None or isinstance(engine, ManualCopies):
+            return
+        for copy in list(host.write_backs.values()):
+            engine.wait(copy)
+            if copy.done:
+                engine.forget(copy)
+                self._transfers.reap(copy)
 
     def _store(self, nodes: list[Node]) -> None:
         """Write-through ([R47]): queue one copy of the blocks just attached to the
@@ -850,7 +896,11 @@ class BlockTrie:
                     f"flight and {len(self._explicit)} explicit pins must be finished first"
                 )
             with self._events.muted():
-                self._evictor.evict(self._kv.capacity)
+                self._evictor.write_back = False  # dropped, not stored
+                try:
+                    self._evictor.evict(self._kv.capacity)
+                finally:
+                    self._evictor.write_back = self._write_back
                 if self._host is not None:
                     self._host.evict(self._host_pool.capacity)
                 for root in self._roots.values():

@@ -213,6 +213,7 @@ class ModelCopy:
         self._touches = touches
         self._host_blocks: list[int] = []  # host-tier blocks a store / load holds
         self._nodes: list[_Node] = []  # nodes whose KV a store / load moves
+        self._write_back = False  # a store an eviction queued ([R52])
 
     def __repr__(self) -> str:
         return f"ModelCopy(#{self._id}, {self.kind}, step={self.step}, {self.state})"
@@ -311,6 +312,7 @@ class ReferenceCache:
         *,
         manual_copies: bool = True,
         num_host_blocks: int = 0,
+        host_write: str = "through",
     ) -> None:
         for name, value, low in (
             ("block_size", block_size, 1),
@@ -322,12 +324,18 @@ class ReferenceCache:
                 raise ConfigError(f"{name} must be an int, got {type(value).__name__}")
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if host_write not in ("through", "back"):
+            raise ConfigError(f"host_write must be 'through' or 'back', got {host_write!r}")
+        if host_write == "back" and num_checkpoint_slots:
+            raise ConfigError("host_write='back' needs num_checkpoint_slots=0")
         if not isinstance(manual_copies, bool):
             raise ConfigError(f"manual_copies must be a bool, got {type(manual_copies).__name__}")
         self._B = block_size
         self._num_blocks = num_blocks
         self._num_slots = num_checkpoint_slots
         self._num_host = num_host_blocks
+        self._write_back = num_host_blocks > 0 and host_write == "back"
+        self._round: ModelCopy | None = None  # the write-back store being filled ([R52])
         self._manual = manual_copies
         self._clock = 0
         self._node_serial = 0
@@ -496,6 +504,12 @@ class ReferenceCache:
         if not index:
             return False
         node = index[0]
+        if (
+            self._write_back
+            and node.residency == Residency.DEVICE.value
+            and self._begin_write_back(node)
+        ):
+            return True
         if node.residency == Residency.MIRRORED.value:  # [R48]: offload, keep the node
             NODE.step(NodeTrigger.OFFLOAD, NodeState.EVICTABLE.value, f"node #{node.serial}")
         else:
@@ -517,6 +531,36 @@ class ReferenceCache:
         self._nodes.remove(node)
         node.attached = False
         return True
+
+    def _begin_write_back(self, node: _Node) -> bool:
+        """[R52]: give an evictable `device` leaf a host block and add it to this
+        eviction round's store; False when the host tier has no block for it."""
+        if not self._free_host_list():
+            self._evict_host(1)
+        free = self._free_host_list()
+        if not free:
+            return False
+        node.host = free[0]
+        node.residency = RESIDENCY.step(ResidencyTrigger.STORE, node.residency)
+        if self._round is None:
+            self._round = self._new_copy("store", [], [], [], [])
+            self._round._write_back = True
+        assert node.block is not None
+        self._round._blocks.append(node.block)
+        self._round._host_blocks.append(node.host)
+        self._round._nodes.append(node)
+        return True
+
+    def _offload(self, node: _Node) -> int:
+        """[R48]: free the device block of an evictable mirrored leaf; blocks freed."""
+        before = len(self._free_block_list())
+        NODE.step(NodeTrigger.OFFLOAD, NodeState.EVICTABLE.value, f"node #{node.serial}")
+        if node.checkpoint is not None:
+            self._drop_checkpoint(node.checkpoint, CheckpointTrigger.EVICT)
+            self._stats["evicted_checkpoints"] += 1
+        node.residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, node.residency)
+        node.block = None
+        return len(self._free_block_list()) - before
 
     def _descendants(self, node: _Node) -> list[_Node]:
         out: list[_Node] = []
@@ -541,14 +585,38 @@ class ReferenceCache:
 
     def _evict_blocks(self, n: int) -> int:
         """KV eviction as in `evict(n)` ([R23]); returns the number of blocks freed."""
-        freed = 0
-        while freed < n:
-            before = len(self._free_block_list())
-            if not self._evict_one_node():
+        return self._evict_counting(n)[0]
+
+    def _evict_counting(self, n: int) -> tuple[int, int]:
+        """`evict(n)`; returns (blocks freed, blocks its write-back stores still in
+        flight will free). Write-back ([R52]): the leaves of one round share one
+        store, queued when the round ends; their parents may be evicted in the
+        next round once those stores finished."""
+        freed, written, pending = 0, 0, 0
+        while True:
+            self._round = None
+            while True:
+                chosen = 0 if self._round is None else len(self._round._nodes)
+                if freed + written + pending + chosen >= n:
+                    break
+                before = len(self._free_block_list())
+                if not self._evict_one_node():
+                    break
+                freed += len(self._free_block_list()) - before
+            round_copy, self._round = self._round, None
+            if round_copy is None:
                 break
-            freed += len(self._free_block_list()) - before
+            round_copy._touches = frozenset(
+                {("block", b) for b in round_copy._blocks}
+                | {("host_block", h) for h in round_copy._host_blocks}
+            )
+            before = len(self._free_block_list())
+            self._settle(round_copy)  # finished when queued: offloaded, freed now
+            done = len(self._free_block_list()) - before
+            written += done
+            pending += len(round_copy._nodes) - done
         self._stats["evicted_blocks"] += freed
-        return freed
+        return freed + written, pending
 
     def _evict_checkpoints(self, n: int) -> int:
         # [R24]: frozen blocks freed here are not counted in evicted_blocks.
@@ -566,8 +634,8 @@ class ReferenceCache:
         """Free `short` blocks for an allocation: KV eviction first; when that runs
         out, the frozen tails of unpinned checkpoints, least recent first ([R17]).
         Returns the blocks freed (possibly fewer)."""
-        freed = self._evict_blocks(short)
-        while freed < short:
+        freed, pending = self._evict_counting(short)
+        while freed + pending < short:
             holders = [c for c in self._checkpoint_index() if c.frozen_block is not None]
             if not holders:
                 break
@@ -580,8 +648,10 @@ class ReferenceCache:
         return freed
 
     def _reclaimable(self) -> int:
-        """Blocks `_make_room` could free (simulated on a deep copy) ([R16])."""
+        """Blocks `_make_room` could free (simulated on a deep copy) ([R16]); a
+        write-back store queued by the simulation counts as finished ([R52])."""
         sim = _copylib.deepcopy(self)
+        sim._manual = False
         return sim._make_room(self._num_blocks + 1)
 
     def _can_get_blocks(self, need: int) -> bool:
@@ -595,7 +665,8 @@ class ReferenceCache:
         if free < need:
             self._make_room(need - free)
         blocks = self._free_block_list()[:need]
-        assert len(blocks) == need
+        if len(blocks) < need:  # [R52]: freed only when the write-back stores finish
+            raise OutOfBlocks(f"need {need} blocks; the rest wait for write-back stores")
         return blocks
 
     def _grow(self, seq: ModelSequence, need: int) -> None:
@@ -646,6 +717,14 @@ class ReferenceCache:
                 else:
                     node.residency = RESIDENCY.step(ResidencyTrigger.STORED, node.residency)
                     self._stats["stored_blocks"] += 1
+            if cp._write_back:  # [R52]: offload what is still an evictable leaf
+                for node in cp._nodes:
+                    rc = self._refcounts()
+                    if (
+                        node.residency == Residency.MIRRORED.value
+                        and self._node_state(node, rc) is NodeState.EVICTABLE
+                    ):
+                        self._stats["evicted_blocks"] += self._offload(node)
         elif cp.kind == "load":  # [R50]
             for node in cp._nodes:
                 if cp.failed:
@@ -832,7 +911,7 @@ class ReferenceCache:
             s._path.append(child)
             parent = child
         s.num_committed_tokens = n
-        if self._num_host and attached:
+        if self._num_host and attached and not self._write_back:
             self._store(attached)
 
     def _refuse_reading_unloaded(self, s: ModelSequence, full: int) -> None:

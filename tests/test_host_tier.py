@@ -95,7 +95,11 @@ def test_config_validates_the_host_tier() -> None:
     with pytest.raises(ConfigError, match="num_host_blocks"):
         CacheConfig(block_size=2, num_blocks=4, num_host_blocks=-1)
     with pytest.raises(ConfigError, match="host_write"):
-        CacheConfig(block_size=2, num_blocks=4, num_host_blocks=4, host_write="back")
+        CacheConfig(block_size=2, num_blocks=4, num_host_blocks=4, host_write="around")
+    with pytest.raises(ConfigError, match="num_checkpoint_slots=0"):
+        CacheConfig(
+            block_size=2, num_blocks=4, num_host_blocks=4, host_write="back", num_checkpoint_slots=1
+        )
     assert not CacheConfig(block_size=2, num_blocks=4).host_tier
     trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4))
     assert trie.num_free_host_blocks == 0 and trie.host_cache is None
@@ -483,4 +487,70 @@ def test_cuda_host_tier_is_pinned_and_round_trips_on_the_side_stream() -> None:
     torch.cuda.synchronize()
     trie.poll()
     trie.release(seq)
+    trie.check()
+
+
+# ------------------------------------------------------------------ write-back ([R52])
+
+
+def test_write_back_stores_nothing_at_commit_and_offloads_on_eviction() -> None:
+    trie, _ = host_trie(host_write="back")
+    serve(trie, A)
+    assert trie.stats.stored_blocks == 0 and trie.num_host_cached_blocks == 0
+    assert set(residency(trie).values()) == {Residency.DEVICE.value}
+    assert trie.evict(3) == 3  # CPU copies finish when queued: freed at once
+    assert trie.stats.stored_blocks == 3 and trie.stats.evicted_blocks == 3
+    assert set(residency(trie).values()) == {Residency.HOST.value}
+    serve(trie, A)  # loaded back, bit for bit (serve checks the data)
+    assert trie.stats.loaded_blocks == 3
+    trie.check()
+
+
+def test_write_back_with_manual_copies_frees_when_the_store_finishes() -> None:
+    trie, copies = host_trie(num_blocks=4, manual=True, host_write="back")
+    assert copies is not None
+    seq = trie.match(A)
+    trie.allocate(seq, len(A))
+    compute(trie, seq, A)
+    trie.commit(seq, len(A))
+    trie.release(seq)
+    assert copies.pending() == []
+    assert trie.evict(3) == 0  # the leaf's store is queued; its block is freed later
+    (store,) = copies.pending()
+    assert store.kind == "store"
+    trie.check()
+    other = trie.match([5, 5, 6, 6, 7])
+    with pytest.raises(OutOfBlocks, match="write-back stores in flight"):
+        trie.allocate(other, 5)
+    trie.check()
+    copies.complete(store)
+    trie.poll()
+    assert trie.stats.evicted_blocks == 1
+    assert sorted(residency(trie).values()) == ["device", "device", "host"]
+    trie.release(other)
+    trie.check()
+
+
+def test_a_request_matching_a_block_being_written_back_keeps_it() -> None:
+    trie, copies = host_trie(manual=True, host_write="back")
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    assert trie.evict(1) == 0
+    seq = trie.match(A)  # holds the leaf being stored
+    (store,) = copies.pending()
+    copies.complete(store)
+    trie.poll()
+    assert trie.stats.stored_blocks == 1
+    assert trie.num_cached_blocks == 3  # mirrored, still on the device: it is in use
+    assert_reads(trie, seq, A)
+    trie.release(seq)
+    trie.check()
+
+
+def test_clear_with_write_back_drops_instead_of_storing() -> None:
+    trie, copies = host_trie(manual=True, host_write="back")
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    trie.clear()
+    assert copies.pending() == [] and trie.num_free_blocks == 8
     trie.check()

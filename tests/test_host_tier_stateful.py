@@ -48,6 +48,7 @@ _SETTLED = {Residency.MIRRORED.value, Residency.HOST.value, Residency.LOADING.va
 
 class HostTierMachine(RuleBasedStateMachine):
     live = Bundle("live")
+    host_write = "through"
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,6 +61,7 @@ class HostTierMachine(RuleBasedStateMachine):
                 kv_block_shape=(B,),
                 kv_dtype=torch.float64,
                 enable_events=True,
+                host_write=self.host_write,
             ),
             copies=self.copies,
         )
@@ -201,11 +203,13 @@ class HostTierMachine(RuleBasedStateMachine):
         trie = self.trie
         for seq in list(trie._live.values()):
             trie.abort(seq)
-        for copy in self.copies.pending():
-            with contextlib.suppress(CopyFailed):  # it read a copy that failed
-                self.copies.complete(copy)
-        trie.poll()
-        trie.evict(trie.config.num_blocks)
+        while True:  # write-back ([R52]): evicting queues stores that free blocks later
+            for copy in self.copies.pending():
+                with contextlib.suppress(CopyFailed):  # it read a copy that failed
+                    self.copies.complete(copy)
+            progressed = trie.poll() + trie.evict(trie.config.num_blocks)
+            if not progressed and not self.copies.pending():
+                break
         trie.evict_host(trie.config.num_host_blocks)
         trie.check()
         assert trie.num_free_blocks == trie.config.num_blocks
@@ -213,3 +217,12 @@ class HostTierMachine(RuleBasedStateMachine):
 
 
 TestHostTier = HostTierMachine.TestCase
+
+
+class HostTierWriteBackMachine(HostTierMachine):
+    """The same, with blocks copied to the host only when evicted ([R52])."""
+
+    host_write = "back"
+
+
+TestHostTierWriteBack = HostTierWriteBackMachine.TestCase
