@@ -173,6 +173,9 @@ class TimedCache:
     def abort(self, seq: Any) -> None:
         self._other(self.cache.abort, seq)
 
+    def load(self, seq: Any) -> Any:
+        return self._other(self.cache.load, seq)
+
     def poll(self) -> int:
         return int(self._other(self.cache.poll))
 
