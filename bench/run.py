@@ -1,7 +1,7 @@
 """blocktrie benchmark: ``python -m bench.run`` (never part of pytest).
 
-Five sections by default (``--sections peers,replay,evict,ckpt,events``), and ``soak`` on
-request:
+Six sections by default (``--sections peers,replay,evict,ckpt,events,host``), and ``soak``
+on request:
 
 - **peers**: the issue-13 table (`bench.peers`): blocktrie vs the naive dict
   trie on the Mooncake conversation trace at 20k / 60k / 200k blocks, the
@@ -23,6 +23,11 @@ request:
 - **events**: KV events per stored block (hash, build, encode, publish on
   loopback) as a ratio to the cache's own per-block cost in the same run
   (`bench.events`; needs the ``events`` extra, skipped without it).
+- **host**: the host-memory tier (`bench.host`): the request loop's cost per
+  block with the host tier on vs off in the same run (a workload that never
+  reads the host, goal <= 1.3x, and one that evicts to it and loads back), and
+  its store / load copy bandwidth against a plain ``copy_`` of the same bytes
+  (goal >= 0.9x; ``--device cuda`` when there is one).
 - **soak**: `bench.soak.run_soak`: millions of random operations with
   ``ManualCopies`` completing in random order, ``check()`` every N steps;
   steps/s, memory at start and end, failures (``--soak-steps``).
@@ -172,6 +177,9 @@ class TimedCache:
 
     def abort(self, seq: Any) -> None:
         self._other(self.cache.abort, seq)
+
+    def load(self, seq: Any) -> Any:
+        return self._other(self.cache.load, seq)
 
     def poll(self) -> int:
         return int(self._other(self.cache.poll))
@@ -564,6 +572,21 @@ def bench_events_section(args: argparse.Namespace, out: dict[str, Any]) -> None:
     print_events(result, console.print)
 
 
+def bench_host_section(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench.host import bench_host, print_host
+
+    result = bench_host(
+        users=args.host_users,
+        blocks=args.host_blocks,
+        block_shape=tuple(args.host_block_shape),
+        device=args.device,
+        repeat=args.repeats,
+        seed=args.seed,
+    )
+    out["host"] = result
+    print_host(result, console.print)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -601,8 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sections",
-        default="peers,replay,evict,ckpt,events",
-        help="comma-separated: peers, replay, evict, ckpt, events, soak",
+        default="peers,replay,evict,ckpt,events,host",
+        help="comma-separated: peers, replay, evict, ckpt, events, host, soak",
     )
     p.add_argument(
         "--quick",
@@ -650,9 +673,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-slots", type=int, default=8)
     p.add_argument("--ckpt-iters", type=int, default=40)
     p.add_argument(
-        "--repeats", type=int, default=3, help="replay and ckpt: best of N interleaved runs"
+        "--repeats",
+        type=int,
+        default=3,
+        help="replay, ckpt and host: best (host loop: median) of N interleaved runs",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--host-users",
+        type=int,
+        default=SyntheticParams().users,
+        help="host: sessions of the built-in workload the request loop replays",
+    )
+    p.add_argument(
+        "--host-blocks", type=int, default=2048, help="host: KV blocks per store/load round trip"
+    )
+    p.add_argument(
+        "--host-block-shape",
+        type=_ints,
+        default=[16, 8, 128],
+        help="host: one KV block's shape (fp16), e.g. 16,8,128 (tokens, heads, head dim)",
+    )
+    p.add_argument("--device", default="cpu", help="ckpt and host: the pool's device")
     p.add_argument("--soak-steps", type=int, default=1_000_000)
     p.add_argument("--soak-check-every", type=int, default=10_000)
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -678,6 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "evict": bench_evict,
             "ckpt": bench_ckpt,
             "events": bench_events_section,
+            "host": bench_host_section,
             "soak": bench_soak,
         }[name](args, out)
         console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")

@@ -314,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV blocks in the pool (default: the never-evict capacity)",
     )
     ca.add_argument(
+        "--host-capacity",
+        type=_bounded(0, MAX_BLOCKS),
+        metavar="BLOCKS",
+        help="KV blocks in a host-memory tier behind every run's pool (evicted blocks are "
+        "kept there and loaded back on a hit; attention-only; default: 0, no host tier)",
+    )
+    ca.add_argument(
         "--block-size", type=_bounded(1, 1 << 20), default=16, help="tokens per KV block"
     )
     ca.add_argument(

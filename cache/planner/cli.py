@@ -131,6 +131,12 @@ def _check_usage(args: argparse.Namespace) -> None:
         given = [flag for dest, flag in SSM_FLAGS.items() if getattr(args, dest) is not None]
         if given:
             raise UsageError(f"{', '.join(given)} only apply with --ssm")
+    if args.host_capacity and args.ssm:
+        raise UsageError(
+            "--host-capacity with --ssm: an SSM trie serves no hit from the host tier (SSM "
+            "checkpoints live on the device only, docs/host-tier.md), so its runs would not "
+            "use it; replay attention-only (without --ssm) to size a host tier"
+        )
     if args.state_slots is not None and (
         args.blocks_per_slot is not None or args.sweep_blocks_per_slot is not None
     ):
@@ -184,6 +190,10 @@ def _check_fleet_usage(args: argparse.Namespace) -> None:
             raise UsageError(f"{', '.join(given)} {verb} --replicas or --publish")
         return
     what = "--replicas" if args.replicas is not None else "--publish"
+    if args.host_capacity:
+        raise UsageError(
+            f"--host-capacity is not supported with {what} (the fleet replay has no host tier)"
+        )
     if args.ssm:
         raise UsageError(f"{what} replays attention-only: --ssm is not supported with it")
     if args.sweep is not None:
@@ -301,6 +311,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size or DEFAULT_CHUNK,
             default_blocks_per_slot=args.blocks_per_slot or DEFAULT_BLOCKS_PER_SLOT,
             check=args.check,
+            host_capacity=args.host_capacity or 0,
         )
         jobs = args.jobs if args.jobs is not None else available_cores()
         results = _run(workload, runs, settings, jobs, args.executor, progress)
@@ -338,6 +349,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         max_decode_tokens=args.max_decode_tokens,
         kv_bytes_per_token=per_token,
         state_bytes_per_slot=state_bytes,
+        host_capacity=args.host_capacity or 0,
     )
     if args.json:
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")

@@ -36,6 +36,8 @@ class ReplaySettings:
     chunk_size: int = 2048
     default_blocks_per_slot: int = 8
     check: bool = False
+    host_capacity: int = 0
+    """Host-tier blocks of every run (0: no host tier)."""
 
 
 def available_cores() -> int:
@@ -71,6 +73,7 @@ def run_one(
         max_decode_tokens=settings.max_decode_tokens,
         policy=policy_for(run, settings),
         state_slots=run.slots,
+        host_capacity=settings.host_capacity,
         progress=progress,
         check=settings.check,
     )

@@ -3,6 +3,9 @@
 For each request, in order:
 
 1. ``seq = cache.match(prompt, namespace)``; SSM: ``restore`` from the hit checkpoint.
+   With a host tier (``host_capacity > 0``), a hit that reaches into the host
+   (``seq.num_host_tokens``) is loaded first: ``copy = load(seq)``,
+   ``copy.wait()``, ``poll()`` (``OutOfBlocks`` is handled as for allocate).
 2. ``allocate(seq, len(prompt))``. When the pool is short even after eviction
    (`OutOfBlocks`), the requests still in the concurrency window are released
    and the allocation retried; if it still fails the request is rejected
@@ -53,7 +56,8 @@ class CacheLike(Protocol):
 
     A cache without checkpoints (the benchmark's baseline) has
     ``num_free_checkpoint_slots == 0`` and may raise from `save` / `restore`:
-    an attention-only replay (``policy=None``) never calls them. `stats` needs
+    an attention-only replay (``policy=None``) never calls them; `load` is
+    called only by a replay with ``host_capacity > 0``. `stats` needs
     ``evicted_blocks``; the checkpoint counters of `cache.CacheStats` are read
     when present.
     """
@@ -74,6 +78,7 @@ class CacheLike(Protocol):
     def release(self, seq: Any) -> None: ...
     def abort(self, seq: Any) -> None: ...
     def poll(self) -> int: ...
+    def load(self, seq: Any) -> Any: ...
     def save(self, seq: Any, num_tokens: int, runtime_state: Mapping[str, torch.Tensor]) -> Any: ...
     def restore(self, seq: Any, runtime_state: Mapping[str, torch.Tensor] | None) -> Any: ...
 
@@ -116,6 +121,13 @@ class ReplayResult:
     """Most distinct KV blocks held by live requests at once (not evictable)."""
     peak_cached_blocks: int = 0
     peak_used_blocks: int = 0
+    host_capacity: int = 0
+    """Host-tier blocks (0: no host tier)."""
+    host_hit_tokens: int = 0
+    """The part of `hit_tokens` loaded from the host tier (`CacheStats.host_hit_tokens`)."""
+    loaded_blocks: int = 0
+    stored_blocks: int = 0
+    host_evicted_blocks: int = 0
     blocks: int = 0
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -123,6 +135,19 @@ class ReplayResult:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Hit tokens already on the device at match time."""
+        return self.hit_tokens - self.host_hit_tokens
+
+    @property
+    def device_hit_rate(self) -> float:
+        return self.device_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def tokens_saved(self) -> int:
@@ -156,8 +181,10 @@ class ReplayResult:
         return out
 
 
-def make_cache(block_size: int, capacity: int, state_slots: int = 0) -> Any:
-    """An ids-only `BlockTrie` for planning: no KV storage, tiny state, no events."""
+def make_cache(block_size: int, capacity: int, state_slots: int = 0, host_capacity: int = 0) -> Any:
+    """An ids-only `BlockTrie` for planning: no KV storage, tiny state, no events;
+    `host_capacity` host-tier blocks (0: none). Its copies move no data: on the CPU
+    they finish when queued."""
     from cache import BlockTrie, CacheConfig
 
     config = CacheConfig(
@@ -167,6 +194,7 @@ def make_cache(block_size: int, capacity: int, state_slots: int = 0) -> Any:
         num_checkpoint_slots=state_slots,
         state_shapes=STATE_SHAPES if state_slots else {},
         enable_events=False,
+        num_host_blocks=host_capacity,
     )
     return BlockTrie(config)
 
@@ -202,6 +230,7 @@ def replay(
     policy: CheckpointPolicy | None = None,
     state: Mapping[str, torch.Tensor] | None = None,
     state_slots: int = 0,
+    host_capacity: int = 0,
     progress: Callable[[int], None] | None = None,
     name: str = "",
 ) -> ReplayResult:
@@ -209,6 +238,8 @@ def replay(
 
     `policy` None replays attention-only; otherwise the cache must have
     checkpoint slots and `state` is the runtime state passed to save/restore.
+    `host_capacity` > 0 says the cache has that many host-tier blocks: hits in
+    the host are loaded before allocation (an SSM trie serves none).
     `progress(n)` is called with the number of requests done, every 64.
     """
     if concurrency < 1:
@@ -221,6 +252,7 @@ def replay(
         state_slots=state_slots,
         policy=policy.name if policy is not None else KV,
         concurrency=concurrency,
+        host_capacity=host_capacity,
     )
     runtime: Mapping[str, torch.Tensor] = state if state is not None else {}
     save = cache.save
@@ -260,6 +292,24 @@ def replay(
         except OutOfBlocks:
             return False
 
+    def load(seq: Any) -> bool:
+        """Bring the host part of `seq`'s hit onto the device, as `allocate` makes room."""
+        try:
+            copy = cache.load(seq)
+        except OutOfBlocks:
+            if not window:
+                return False
+            release_window()
+            try:
+                copy = cache.load(seq)
+            except OutOfBlocks:
+                return False
+        if copy is not None:
+            copy.wait()
+        poll()
+        return True
+
+    host = host_capacity > 0
     for req in workload:
         poll()
         if len(window) >= concurrency:
@@ -269,6 +319,10 @@ def replay(
         requests += 1
         prompt_tokens += plen
         seq = cache.match(prompt, req.namespace)
+        if host and seq.num_host_tokens and not load(seq):
+            cache.abort(seq)
+            rejected += 1
+            continue
         if not allocate(seq, plen):
             cache.abort(seq)
             rejected += 1
@@ -337,6 +391,10 @@ def replay(
     result.peak_pinned_blocks = peak_held
     result.peak_cached_blocks = peak_cached
     result.peak_used_blocks = peak_used
+    result.host_hit_tokens = _stat(stats, "host_hit_tokens")
+    result.loaded_blocks = _stat(stats, "loaded_blocks")
+    result.stored_blocks = _stat(stats, "stored_blocks")
+    result.host_evicted_blocks = _stat(stats, "host_evicted_blocks")
     return result
 
 
@@ -349,14 +407,16 @@ def run_replay(
     max_decode_tokens: int | None = None,
     policy: CheckpointPolicy | None = None,
     state_slots: int = 0,
+    host_capacity: int = 0,
     progress: Callable[[int], None] | None = None,
     check: bool = False,
 ) -> ReplayResult:
-    """Build an ids-only `BlockTrie` of `capacity` blocks (and `state_slots` for SSM) and replay."""
+    """Build an ids-only `BlockTrie` of `capacity` blocks (and `state_slots` for SSM,
+    `host_capacity` host-tier blocks) and replay."""
     if policy is not None and state_slots < 1:
         raise ValueError("an SSM replay needs at least one state slot")
     slots = state_slots if policy is not None else 0
-    cache = make_cache(block_size, capacity, slots)
+    cache = make_cache(block_size, capacity, slots, host_capacity)
     result = replay(
         workload,
         cache,
@@ -367,6 +427,7 @@ def run_replay(
         policy=policy,
         state=make_state(STATE_SHAPES) if slots else None,
         state_slots=slots,
+        host_capacity=host_capacity,
         progress=progress,
         name=workload.name,
     )

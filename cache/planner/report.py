@@ -16,6 +16,10 @@ Vocabulary (the same words in every rendering):
   checkpoint slot with SSM): a run at or above it never evicts.
 - *peak pins*: the most KV blocks live requests held at once in a run (they
   cannot be evicted).
+- *host tier* (``--host-capacity``): hit rate splits into *device* hits (on the
+  device at match time) and *host* hits (loaded back from the host tier);
+  *loaded bytes per second*: loaded blocks x KV bytes per block / the trace
+  time the requests span (the host-to-device traffic the host tier costs).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ WORKLOAD_KEYS = (
     "distinct_bytes",
     "never_evict_blocks",
     "never_evict_bytes",
+    "duration_s",
 )
 RUN_KEYS = (
     "capacity",
@@ -98,7 +103,20 @@ RUN_KEYS = (
     "requests_per_s",
     "tokens_per_s",
     "us_per_block",
+    "host_capacity",
+    "host_kv_bytes",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "device_hit_rate",
+    "host_hit_rate",
+    "loaded_blocks",
+    "stored_blocks",
+    "host_evicted_blocks",
+    "loaded_bytes",
+    "loaded_bytes_per_s",
 )
+"""Keys after ``us_per_block`` were added with the host tier (schema 1 is extended, never
+changed: a key keeps its meaning and position)."""
 FLEET_KEYS = (
     "replicas",
     "capacity",
@@ -173,11 +191,14 @@ def build_report(
     max_decode_tokens: int | None,
     kv_bytes_per_token: int | None,
     state_bytes_per_slot: int | None,
+    host_capacity: int = 0,
 ) -> dict[str, Any]:
     """The report document (schema `SCHEMA`): ``{"schema", "workload", "runs",
     "recommended", "fleet"}``, every key always present (``fleet`` is `build_fleet`'s
-    document with ``--replicas`` / ``--publish``, else None)."""
+    document with ``--replicas`` / ``--publish``, else None). `host_capacity`: the
+    host-tier blocks every run had (0: none)."""
     per_block = None if kv_bytes_per_token is None else kv_bytes_per_token * block_size
+    duration = workload.duration_s
     kv_at = {run.capacity: r for run, r in zip(runs, results, strict=True) if run.policy == KV}
     out_runs: list[dict[str, Any]] = []
     for run, r in zip(runs, results, strict=True):
@@ -218,6 +239,7 @@ def build_report(
             "requests_per_s": r.requests_per_s,
             "tokens_per_s": r.tokens_per_s,
             "us_per_block": r.us_per_block,
+            **_host_keys(r, host_capacity, per_block, duration),
         }
         out_runs.append(row)
 
@@ -245,6 +267,7 @@ def build_report(
             "distinct_bytes": _bytes(count.unique_blocks, per_block),
             "never_evict_blocks": never_evict,
             "never_evict_bytes": _bytes(never_evict, per_block),
+            "duration_s": duration,
         },
         "runs": out_runs,
         "recommended": {
@@ -254,6 +277,28 @@ def build_report(
             "within_99_percent": pick(recommendation.within_99_percent),
         },
         "fleet": fleet,
+    }
+
+
+def _host_keys(
+    r: ReplayResult, host_capacity: int, per_block: int | None, duration: float | None
+) -> dict[str, Any]:
+    """A run's host-tier keys (the last of `RUN_KEYS`): zero hits and copies without one."""
+    loaded_bytes = _bytes(r.loaded_blocks, per_block)
+    return {
+        "host_capacity": host_capacity,
+        "host_kv_bytes": _bytes(host_capacity, per_block),
+        "device_hit_tokens": r.device_hit_tokens,
+        "host_hit_tokens": r.host_hit_tokens,
+        "device_hit_rate": r.device_hit_rate,
+        "host_hit_rate": r.host_hit_rate,
+        "loaded_blocks": r.loaded_blocks,
+        "stored_blocks": r.stored_blocks,
+        "host_evicted_blocks": r.host_evicted_blocks,
+        "loaded_bytes": loaded_bytes,
+        "loaded_bytes_per_s": (
+            None if loaded_bytes is None or duration is None else loaded_bytes / duration
+        ),
     }
 
 
@@ -411,6 +456,12 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         + (" + a frozen tail block per checkpoint slot)" if ssm else ")"),
         "",
     ]
+    host = runs[0]["host_capacity"] if runs else 0
+    if host and len(runs) > 1:
+        lines.insert(
+            len(lines) - 1,
+            f"  host tier: {_cap(host, runs[0]['host_kv_bytes'])} behind every run's pool",
+        )
     lines = [wrapped for line in lines for wrapped in _wrap(line, width)]
     if len(runs) == 1:
         lines += _single(runs[0], ssm)
@@ -449,6 +500,12 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         "evictable). When a request does not fit, the replay releases live requests early; "
         "it rejects a request only when it alone does not fit."
     )
+    if host:
+        lines.append(
+            "device / host = hit rate served from the device pool / loaded back from the "
+            "host tier; load/s = bytes loaded from the host per second of trace time "
+            f"({_no_rate_reason(w, runs[0]) or 'the host-to-device traffic it costs'})."
+        )
     tail = [wrapped for line in lines[table_end:] for wrapped in _wrap(line, width)]
     return "\n".join(lines[:table_end] + tail)
 
@@ -476,6 +533,20 @@ def _or_dash(value: Any, fmt: Callable[[Any], str]) -> str:
     return "-" if value is None else fmt(value)
 
 
+def _no_rate_reason(w: dict[str, Any], r: dict[str, Any]) -> str | None:
+    """Why a run has no loaded bytes per second (None when it has one)."""
+    if r["loaded_bytes"] is None:
+        return "n/a: needs --kv-bytes-per-token"
+    if w["duration_s"] is None:
+        return "n/a: the trace has no timestamps"
+    return None
+
+
+def _load_rate(r: dict[str, Any]) -> str:
+    rate = r["loaded_bytes_per_s"]
+    return "n/a" if rate is None else f"{fmt_bytes(rate)}/s"
+
+
 def _single(r: dict[str, Any], ssm: bool) -> list[str]:
     rows: list[tuple[str, str]] = [
         (
@@ -487,11 +558,29 @@ def _single(r: dict[str, Any], ssm: bool) -> list[str]:
             f"{r['requests']:,}" + (f" ({r['rejected']:,} rejected)" if r["rejected"] else ""),
         ),
         ("prompt tokens", f"{r['prompt_tokens']:,}"),
-        ("hit rate", _pct(r["hit_rate"])),
+        (
+            "hit rate",
+            _pct(r["hit_rate"])
+            + _if(
+                r["host_capacity"],
+                f" ({_pct(r['device_hit_rate'])} on device, {_pct(r['host_hit_rate'])} "
+                "loaded from host)",
+            ),
+        ),
         ("tokens saved", f"{r['tokens_saved']:,}"),
         ("evictions", f"{r['evicted_blocks']:,} blocks"),
         ("peak pins", f"{r['peak_pinned_blocks']:,} blocks"),
     ]
+    if r["host_capacity"]:
+        rows[1:1] = [("host tier", _cap(r["host_capacity"], r["host_kv_bytes"]))]
+        rows += [
+            (
+                "host copies",
+                f"{r['loaded_blocks']:,} blocks loaded, {r['stored_blocks']:,} stored, "
+                f"{r['host_evicted_blocks']:,} evicted from host",
+            ),
+            ("load/s", _load_rate(r)),
+        ]
     if ssm:
         rows += [
             ("checkpoint policy", f"{r['policy']} ({r['state_slots']:,} slots)"),
@@ -538,6 +627,13 @@ def _table(runs: list[dict[str, Any]], ssm: bool, width: int) -> list[str]:
             )
         )
     cols.append(Column("hit rate", [_pct(r["hit_rate"]) for r in runs]))
+    if any(r["host_capacity"] for r in runs):
+        cols += [
+            Column("device", [_pct(r["device_hit_rate"]) for r in runs]),
+            Column("host", [_pct(r["host_hit_rate"]) for r in runs]),
+            Column("loaded", [fmt_count(r["loaded_blocks"]) for r in runs]),
+            Column("load/s", [_load_rate(r) for r in runs]),
+        ]
     if ssm:
         cols.append(
             Column(

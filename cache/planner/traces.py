@@ -186,8 +186,10 @@ def _hash_workload(
     block_tokens: int,
     max_hash: int,
     description: str,
+    seconds_per_tick: float,
 ) -> Workload[Any]:
-    """Requests whose prompts are hash-id blocks (the mapping in the module docstring)."""
+    """Requests whose prompts are hash-id blocks (the mapping in the module docstring);
+    `seconds_per_tick` is the unit of the records' timestamps (1e-3 for milliseconds)."""
     if not records:
         raise TraceError(path, None, "trace has no requests")
     # Token ids: positions 1..T-1 (shared int objects), markers T + h, fillers above.
@@ -202,7 +204,8 @@ def _hash_workload(
             n = block_tokens if i < last else rec.input_length - last * block_tokens
             prompt.extend(positions[1:n])
         output = Filler(filler_base + index, rec.output_length)
-        return Request(prompt, output, "", rec.timestamp, rec.branch_steps)
+        arrival_ms = rec.timestamp * seconds_per_tick * 1000.0
+        return Request(prompt, output, "", arrival_ms, rec.branch_steps)
 
     return Workload(
         Path(path).name,
@@ -211,6 +214,7 @@ def _hash_workload(
         [r.input_length for r in records],
         [r.output_length for r in records],
         description,
+        [r.timestamp * seconds_per_tick for r in records],
     )
 
 
@@ -243,6 +247,7 @@ def load_mooncake(
         block_tokens,
         max_hash,
         f"Mooncake trace {path} ({block_tokens} tokens per hash id)",
+        1e-3,  # Mooncake timestamps are milliseconds
     )
 
 
@@ -300,6 +305,7 @@ def load_bailian(
         block_tokens,
         max_hash,
         f"Bailian trace {path} ({block_tokens} tokens per hash id)",
+        1.0,  # Bailian timestamps are seconds
     )
 
 

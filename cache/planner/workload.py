@@ -96,7 +96,8 @@ class Workload(Generic[R]):
 
     Iterating builds each `Request` on the fly (prompts of long traces are
     never all in memory at once). `prompt_tokens` and `output_tokens` are
-    known without building anything.
+    known without building anything. `arrivals_s` (optional) holds each
+    request's arrival time in seconds, for `duration_s`.
     """
 
     def __init__(
@@ -107,9 +108,13 @@ class Workload(Generic[R]):
         prompt_lengths: Sequence[int],
         output_lengths: Sequence[int],
         description: str = "",
+        arrivals_s: Sequence[float] | None = None,
     ) -> None:
         if not (len(records) == len(prompt_lengths) == len(output_lengths)):
             raise ValueError("records, prompt_lengths and output_lengths differ in length")
+        if arrivals_s is not None and len(arrivals_s) != len(records):
+            raise ValueError("arrivals_s and records differ in length")
+        self.arrivals_s: Sequence[float] | None = arrivals_s
         self.name = name
         self.description = description or name
         self._records = records
@@ -121,6 +126,17 @@ class Workload(Generic[R]):
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from the first arrival to the last (the trace time the requests
+        span); None without arrival times or when they span no time (a trace whose
+        timestamps are absent reads them as 0)."""
+        arrivals = self.arrivals_s
+        if not arrivals:
+            return None
+        span = max(arrivals) - min(arrivals)
+        return span if span > 0 else None
 
     def __iter__(self) -> Iterator[Request]:
         build = self._build
@@ -140,6 +156,7 @@ class Workload(Generic[R]):
             self.prompt_lengths[:n],
             self.output_lengths[:n],
             self.description,
+            None if self.arrivals_s is None else self.arrivals_s[:n],
         )
 
 
@@ -269,6 +286,7 @@ def synthetic_workload(params: SyntheticParams | None = None) -> Workload[Any]:
         [r.prompt_end for r in records],
         [r.output_end - r.prompt_end for r in records],
         f"built-in synthetic chat (seed {p.seed}): {kind}",
+        [r.arrival_ms / 1000.0 for r in records],
     )
 
 
