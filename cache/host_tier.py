@@ -45,6 +45,13 @@ if TYPE_CHECKING:
     from cache.eviction import Evictor
 
 _OFFLOADED = NodeState.OFFLOADED.value
+_STORED_FROM: dict[str, str] = {
+    state: dest
+    for (trigger, state), dest in RESIDENCY.table.items()
+    if trigger == ResidencyTrigger.STORE.value
+}
+"""The `RESIDENCY` table's `store` row (only `device` has one): the commit hot path's
+lookup; any other state goes through `RESIDENCY.step`, which raises."""
 _LOADING = Residency.LOADING.value
 _FREE = NodeTrigger.FREE.value
 
@@ -153,11 +160,17 @@ class HostTier:
     def reserve_for_store(self) -> int | None:
         """A host block for a new store, evicting the LRU host leaf if none is free
         ([R47]); None when the host tier is full of blocks it may not evict."""
-        if self.pool.num_free == 0 and self.index:
-            self.evict(1)
-        if self.pool.num_free == 0:
-            return None
-        return self.pool.take(1)[0]
+        blocks = self.reserve_for_stores(1)
+        return blocks[0] if blocks else None
+
+    def reserve_for_stores(self, n: int) -> list[int]:
+        """Up to `n` host blocks for new stores, in one take, evicting LRU host leaves
+        for the ones not free ([R47]); fewer when the host tier has no more."""
+        pool = self.pool
+        short = n - pool.num_free
+        if short > 0 and self.index:
+            self.evict(short)
+        return pool.take(min(n, pool.num_free))
 
     def store_moves(self, nodes: list[Node]) -> Copy:
         """The store copy for `nodes`, just committed (device -> host).
@@ -177,7 +190,9 @@ class HostTier:
 
     def begin_store(self, node: Node, host_block: int) -> None:
         """`node` (residency `device`) will be copied into `host_block`."""
-        node.residency = RESIDENCY.step(ResidencyTrigger.STORE, node.residency, node)
+        node.residency = _STORED_FROM.get(node.residency) or RESIDENCY.step(
+            ResidencyTrigger.STORE, node.residency, node
+        )
         node.host = host_block
 
     def stored(self, copy: Copy) -> None:

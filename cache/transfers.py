@@ -214,10 +214,12 @@ class Transfers:
         for receipt in copy.receipts:
             checkpoints.unpin(receipt)
         kv = self._kv
+        refs = kv.refs
         evictor = self._evictor
         for block in copy.blocks:
             kv.decref(block)
-            evictor.settle_block(block)
+            if refs[block] == 1:  # the only count at which a node's state can change
+                evictor.settle_block(block)
         self._stats.copies_reaped += 1
         if failed_loads:
             self.on_load_failed(failed_loads)

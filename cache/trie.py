@@ -716,15 +716,12 @@ class BlockTrie:
         host = self._host
         if host is None:
             return
-        storing: list[Node] = []
-        for node in nodes:
-            host_block = host.reserve_for_store()
-            if host_block is None:
-                break
-            host.begin_store(node, host_block)
-            storing.append(node)
-        if not storing:
+        host_blocks = host.reserve_for_stores(len(nodes))
+        if not host_blocks:
             return
+        storing = nodes[: len(host_blocks)]
+        for node, host_block in zip(storing, host_blocks, strict=True):
+            host.begin_store(node, host_block)
         copy = self._transfers.number(host.store_moves(storing))
         # It reads each device block and writes each host block until reaped.
         self._transfers.hold(copy, [n.block for n in storing], [n.host for n in storing])
