@@ -139,6 +139,8 @@ class Copy:
         Copies never record an autograd graph: a runtime state that requires
         grad is read as plain data, and the pools never join a graph.
         """
+        if not self.moves:  # ids-only pools: nothing to move
+            return
         with torch.no_grad():
             for src, dst in self.moves:
                 dst.copy_(src, non_blocking=True)

@@ -52,6 +52,13 @@ _STORED_FROM: dict[str, str] = {
 }
 """The `RESIDENCY` table's `store` row (only `device` has one): the commit hot path's
 lookup; any other state goes through `RESIDENCY.step`, which raises."""
+_FINISHED_STORE: dict[str, str] = {
+    state: dest
+    for (trigger, state), dest in RESIDENCY.table.items()
+    if trigger == ResidencyTrigger.STORED.value
+}
+"""The `RESIDENCY` table's `stored` row (only `storing` has one), read the same way."""
+_STORE = CopyKind.STORE.value
 _LOADING = Residency.LOADING.value
 _FREE = NodeTrigger.FREE.value
 
@@ -121,6 +128,17 @@ class HostTier:
         waits: list[Copy] = []
         waiting = 0
         loading = self.loading
+        if not loading:  # the usual case: no scan for loads to wait on
+            if not usable or path[usable - 1].block != NO_BLOCK:
+                return usable, [], waits, 0  # all on the device (a prefix is closed)
+            low, high = 0, usable - 1  # the first host-only node, by bisection
+            while low < high:
+                mid = (low + high) // 2
+                if path[mid].block == NO_BLOCK:
+                    high = mid
+                else:
+                    low = mid + 1
+            return low, path[low:usable], waits, 0
         for node in path:
             if depth == usable or node.block == NO_BLOCK:
                 break
@@ -180,13 +198,12 @@ class HostTier:
         until it is reaped.
         """
         moves = []
-        resources: list[Resource] = []
-        for node in nodes:
-            src, dst = self._kv.view(node.block), self.pool.view(node.host)
-            if src is not None and dst is not None:
-                moves.append((src, dst))
-            resources += [("block", node.block), ("host_block", node.host)]
-        return Copy(CopyKind.STORE.value, 0, moves, resources, 0)
+        if self._kv.tensor is not None and self.pool.tensor is not None:
+            kv, host = self._kv.tensor, self.pool.tensor
+            moves = [(kv[node.block], host[node.host]) for node in nodes]
+        resources: list[Resource] = [("block", node.block) for node in nodes]
+        resources += [("host_block", node.host) for node in nodes]
+        return Copy(_STORE, 0, moves, resources, 0)
 
     def begin_store(self, node: Node, host_block: int) -> None:
         """`node` (residency `device`) will be copied into `host_block`."""
@@ -199,16 +216,18 @@ class HostTier:
         """A store copy was reaped (its references already dropped): its nodes are
         `mirrored`, or back to `device` if it failed (their host blocks freed)."""
         pool = self.pool
-        trigger = ResidencyTrigger.STORE_FAILED if copy.failed else ResidencyTrigger.STORED
-        for node in copy.nodes:
-            node.residency = RESIDENCY.step(trigger, node.residency, node)
-            if copy.failed:
-                pool.decref(node.host)
-                node.host = NO_BLOCK
-            else:
-                self._stats.stored_blocks += 1
         if not copy.failed:
+            for node in copy.nodes:
+                node.residency = _FINISHED_STORE.get(node.residency) or RESIDENCY.step(
+                    ResidencyTrigger.STORED, node.residency, node
+                )
+            self._stats.stored_blocks += len(copy.nodes)
             self._events.host_stored(copy.nodes)
+            return
+        for node in copy.nodes:
+            node.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, node.residency, node)
+            pool.decref(node.host)
+            node.host = NO_BLOCK
 
     # -------------------------------------------------------------- offload
 
