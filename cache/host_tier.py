@@ -30,7 +30,7 @@ from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
 from cache.node import NO_BLOCK, NO_CHILDREN, Node
 from cache.stats import CacheStats
-from spec.errors import InvariantViolation
+from spec.errors import CacheError, InvariantViolation
 from spec.lifecycle import (
     NODE,
     RESIDENCY,
@@ -183,12 +183,17 @@ class HostTier:
 
     def reserve_for_stores(self, n: int) -> list[int]:
         """Up to `n` host blocks for new stores, in one take, evicting LRU host leaves
-        for the ones not free ([R47]); fewer when the host tier has no more."""
+        for the ones not free ([R47]); fewer when the host tier has no more, none
+        when taking them fails (a store is best effort: the commit or eviction
+        that asked stands)."""
         pool = self.pool
         short = n - pool.num_free
         if short > 0 and self.index:
             self.evict(short)
-        return pool.take(min(n, pool.num_free))
+        try:
+            return pool.take(min(n, pool.num_free))
+        except CacheError:  # an allocation failure: the blocks stay device-only
+            return []
 
     def store_moves(self, nodes: list[Node]) -> Copy:
         """The store copy for `nodes`, just committed (device -> host).

@@ -554,3 +554,31 @@ def test_clear_with_write_back_drops_instead_of_storing() -> None:
     trie.clear()
     assert copies.pending() == [] and trie.num_free_blocks == 8
     trie.check()
+
+
+def test_host_tier_events_reach_the_wire_with_their_medium() -> None:
+    msgspec = pytest.importorskip("msgspec")
+    from cache.kv_events import encode_batch
+
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    ts, events, _rank = msgspec.msgpack.decode(encode_batch(trie.drain_events(), ts=1.0))
+    media = [(e["type"], e["medium"]) for e in events]
+    assert ("BlockStored", "GPU") in media and ("BlockStored", "CPU") in media
+    assert ("BlockRemoved", "GPU") in media  # the device copies went; the host ones stay
+    assert ("BlockRemoved", "CPU") not in media
+
+
+def test_a_host_allocation_failure_skips_the_store_and_the_commit_stands() -> None:
+    trie, _ = host_trie()
+    seq = trie.match(A)
+    trie.allocate(seq, len(A))
+    compute(trie, seq, A)
+    trie.faults.arm(0)  # the next allocation point: the commit's host blocks
+    trie.commit(seq, len(A))  # stands: its blocks stay device-only
+    assert seq.num_committed_tokens == len(A) and trie.num_cached_blocks == 3
+    assert trie.faults.points[-1] == "host.take"
+    assert set(residency(trie).values()) == {Residency.DEVICE.value}
+    trie.release(seq)
+    trie.check()
