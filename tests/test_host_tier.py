@@ -563,7 +563,7 @@ def test_host_tier_events_reach_the_wire_with_their_medium() -> None:
     trie, _ = host_trie()
     serve(trie, A)
     trie.evict(3)
-    ts, events, _rank = msgspec.msgpack.decode(encode_batch(trie.drain_events(), ts=1.0))
+    _ts, events, _rank = msgspec.msgpack.decode(encode_batch(trie.drain_events(), ts=1.0))
     media = [(e["type"], e["medium"]) for e in events]
     assert ("BlockStored", "GPU") in media and ("BlockStored", "CPU") in media
     assert ("BlockRemoved", "GPU") in media  # the device copies went; the host ones stay
