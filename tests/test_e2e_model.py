@@ -80,6 +80,8 @@ class Scenario:
     abort_prob: float = 0.0
     host_blocks: int = 0
     """Blocks of the host-memory tier (0: none)."""
+    write_back: bool = False
+    """With a host tier and an attention-only model: `host_write="back"` ([R52])."""
 
     def longest_conversation(self) -> int:
         return max(
@@ -124,6 +126,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         ),
         abort_prob=draw(st.sampled_from([0.0, 0.0, 0.3])),
         host_blocks=draw(st.sampled_from([0, 0, 3, 32])),
+        write_back=draw(st.booleans()),
     )
 
 
@@ -139,6 +142,7 @@ def serve(
         num_checkpoint_slots=sc.num_checkpoint_slots if model.state_shapes() else 0,
         device=device,
         num_host_blocks=sc.host_blocks,
+        host_write="back" if sc.write_back and not model.state_shapes() else "through",
     )
     copies = ManualCopies() if sc.manual_copies else None
     trie = BlockTrie(config, copies=copies)
@@ -183,7 +187,8 @@ def assert_cache_returns_to_empty(engine: Engine) -> None:
     trie.check()
     assert trie.stats.pins == 0
     trie.evict_checkpoints(trie.config.num_checkpoint_slots)
-    trie.evict(trie.config.num_blocks)
+    while trie.evict(trie.config.num_blocks) or engine.drain():
+        pass  # write-back ([R52]) frees a block once its store has finished
     trie.evict_host(trie.config.num_host_blocks)
     trie.check()
     assert trie.num_free_blocks == trie.config.num_blocks
@@ -295,8 +300,11 @@ def test_preemption_recomputes_and_still_matches_cold() -> None:
     assert_cache_returns_to_empty(engine)
 
 
+@pytest.mark.parametrize("host_write", ["through", "back"])
 @pytest.mark.parametrize("manual", [False, True])
-def test_host_tier_round_trip_is_bit_identical_and_outputs_match_cold(manual: bool) -> None:
+def test_host_tier_round_trip_is_bit_identical_and_outputs_match_cold(
+    manual: bool, host_write: str
+) -> None:
     """A device too small for the chats: evicted KV goes to the host tier and comes
     back on a hit. Every loaded block equals, bit for bit, what was computed, and
     every output equals a cold run."""
@@ -308,7 +316,11 @@ def test_host_tier_round_trip_is_bit_identical_and_outputs_match_cold(manual: bo
         for _ in range(4)
     ]
     config = model.cache_config(
-        block_size=2, num_blocks=24, num_checkpoint_slots=0, num_host_blocks=256
+        block_size=2,
+        num_blocks=24,
+        num_checkpoint_slots=0,
+        num_host_blocks=256,
+        host_write=host_write,
     )
     copies = ManualCopies() if manual else None
     trie = BlockTrie(config, copies=copies)
@@ -321,15 +333,23 @@ def test_host_tier_round_trip_is_bit_identical_and_outputs_match_cold(manual: bo
     kv, host = trie.kv_cache, trie.host_cache
     assert kv is not None and host is not None
     snap = trie.snapshot()
-    computed = {  # every block with a host copy (by its prefix): its KV as computed
-        node_path(snap, nid): host[n["block_host"]].clone()
+    computed = {  # every cached block (by its prefix): its KV as computed, or as stored
+        node_path(snap, nid): (
+            kv[n["block"]] if n["block"] is not None else host[n["block_host"]]
+        ).clone()
         for nid, n in snap["nodes"].items()
-        if n["block_host"] is not None
+        if n["parent"] is not None
     }
     for n in snap["nodes"].values():
-        if n["block"] is not None and n["block_host"] is not None:
-            assert torch.equal(kv[n["block"]], host[n["block_host"]]), "store changed the KV"
-    trie.evict(trie.config.num_blocks)
+        if n["block"] is not None and n["block_host"] is not None and n["residency"] == "mirrored":
+            assert torch.equal(host[n["block_host"]], kv[n["block"]]), "a store changed the KV"
+    while trie.evict(trie.config.num_blocks) or engine.drain():
+        pass  # write-back frees a block once its store finished: evict, finish, again
+    assert trie.num_cached_blocks == 0
+    snap = trie.snapshot()
+    for nid, n in snap["nodes"].items():  # every stored block: bit for bit
+        if n["block_host"] is not None:
+            assert torch.equal(host[n["block_host"]], computed[node_path(snap, nid)])
     second = run_chat(engine, chats)  # served from the host tier
     engine.drain()
     stats = trie.stats

@@ -471,6 +471,7 @@ class TinyHybridModel:
         num_checkpoint_slots: int,
         device: str | torch.device | None = None,
         num_host_blocks: int = 0,
+        host_write: str = "through",
     ) -> CacheConfig:
         """A `cache.CacheConfig` whose KV and state layouts fit this model.
 
@@ -490,6 +491,7 @@ class TinyHybridModel:
             state_dtype=self.dtype,
             device=self.config.device if device is None else device,
             num_host_blocks=num_host_blocks,
+            host_write=host_write,
         )
 
 
