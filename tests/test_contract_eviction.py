@@ -4,16 +4,19 @@ Make-room decides feasibility before it evicts anything ([R16], [R17]): the
 frozen tail of a checkpoint on an evictable leaf is one block, counted once
 (by the leaf's cascade or by the frozen-tail pass, not both), so a request
 one block beyond what eviction can free raises `OutOfBlocks` with the cache
-unchanged.
+unchanged. Freeing a node is refused unless it is an evictable leaf with a
+parent, by the node lifecycle's own error naming it.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from cache import BlockTrie, OutOfBlocks, Sequence
+from cache import BlockTrie, IllegalTransition, OutOfBlocks, Sequence
+from cache.node import Node
+from spec.errors import InvariantViolation
 from spec.lifecycle import NODE, NodeState
-from tests.helpers import frozen, ssm_trie, state
+from tests.helpers import detached_node, frozen, ssm_trie, state
 
 
 def _prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
@@ -76,3 +79,38 @@ def test_a_parent_is_reclaimable_once_all_its_children_are() -> None:
     trie.abort(hungry)
     trie.abort(hog)
     trie.check()
+
+
+def _inner_and_pinned(trie: BlockTrie) -> tuple[Node, Node]:
+    """A cached inner node (no checkpoint) and a pinned leaf (its save in flight)."""
+    seq = _prefill(trie, [1] * 8 + [9])
+    trie.save(seq, 8, state(1.0))  # ManualCopies: the copy's pin stays
+    trie.release(seq)
+    inner = trie._roots[""].child_nodes()[0]
+    (leaf,) = inner.child_nodes()
+    return inner, leaf
+
+
+def test_freeing_a_node_that_is_not_evictable_is_the_node_lifecycles_error() -> None:
+    """The guard on eviction itself ([R23]): the spec's `free` is illegal from
+    anything but `evictable`, the error names the node, and nothing changes."""
+    trie, _ = ssm_trie()
+    inner, leaf = _inner_and_pinned(trie)
+    assert (inner.state, leaf.state) == ("cached", "pinned")
+    for node in (inner, leaf):
+        before = frozen(trie.snapshot())
+        with pytest.raises(IllegalTransition) as info:
+            trie._evictor._free(node)
+        error = info.value
+        assert (error.machine, error.trigger, error.state) == ("node", "free", node.state)
+        assert error.subject == repr(node)
+        assert frozen(trie.snapshot()) == before
+
+
+def test_an_evictable_node_without_a_parent_is_a_topology_violation() -> None:
+    trie, _ = ssm_trie()
+    orphan = detached_node(b"k", serial=7, block=0, state=NodeState.EVICTABLE.value)
+    with pytest.raises(InvariantViolation) as info:
+        trie._evictor._free(orphan)
+    assert info.value.invariant == "topology"
+    assert info.value.detail == f"evictable {orphan!r} has no parent"
