@@ -114,3 +114,17 @@ def test_an_evictable_node_without_a_parent_is_a_topology_violation() -> None:
         trie._evictor._free(orphan)
     assert info.value.invariant == "topology"
     assert info.value.detail == f"evictable {orphan!r} has no parent"
+
+
+def test_an_evicted_node_is_left_freed_and_detached() -> None:
+    """A reference kept to an evicted node (from inspection, say) shows the
+    node lifecycle's final state and no parent."""
+    trie, _ = ssm_trie()
+    trie.release(_prefill(trie, [1] * 8 + [9]))
+    inner = trie._roots[""].child_nodes()[0]
+    (leaf,) = inner.child_nodes()
+    assert trie.evict(2) == 2
+    for node in (inner, leaf):
+        assert node.state == NodeState.FREED.value
+        assert node.parent is None
+    trie.check()
