@@ -1,0 +1,130 @@
+"""Contract details of `cache.eviction.Evictor` (mutation survivors).
+
+Make-room decides feasibility before it evicts anything ([R16], [R17]): the
+frozen tail of a checkpoint on an evictable leaf is one block, counted once
+(by the leaf's cascade or by the frozen-tail pass, not both), so a request
+one block beyond what eviction can free raises `OutOfBlocks` with the cache
+unchanged. Freeing a node is refused unless it is an evictable leaf with a
+parent, by the node lifecycle's own error naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache import BlockTrie, IllegalTransition, OutOfBlocks, Sequence
+from cache.node import Node
+from spec.errors import InvariantViolation
+from spec.lifecycle import NODE, NodeState
+from tests.helpers import detached_node, frozen, ssm_trie, state
+
+
+def _prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
+    seq = trie.match(tokens)
+    trie.allocate(seq, len(tokens))
+    trie.commit(seq, len(tokens))
+    return seq
+
+
+def test_a_leafs_frozen_tail_is_counted_once_when_room_is_planned() -> None:
+    """One evictable leaf with a partial checkpoint: 2 blocks reclaimable (the
+    leaf's and its frozen tail), so 3 short fails at once and 2 short succeeds."""
+    trie, _ = ssm_trie(num_blocks=8, manual=False)
+    seq = _prefill(trie, [1] * 5)  # leaf L (block 0) and a private partial block
+    trie.save(seq, 5, state(1.0))  # on L, with a frozen tail block
+    trie.release(seq)  # L evictable; the partial block is free again
+    hog = trie.match([2] * 4 * trie.num_free_blocks)
+    trie.allocate(hog, len(hog.tokens))  # private blocks: not reclaimable
+    assert trie.num_free_blocks == 0
+    assert trie.num_evictable_blocks == 1
+    hungry = trie.match([4] * 12)
+    before = frozen(trie.snapshot())
+    with pytest.raises(OutOfBlocks, match=r"^need 3 KV blocks: 0 free and fewer than 3 "):
+        trie.allocate(hungry, 12)
+    assert frozen(trie.snapshot()) == before, "nothing was evicted before failing"
+    trie.allocate(hungry, 8)  # 2 blocks: the leaf's and its frozen tail
+    assert trie.stats.evicted_blocks == 2
+    assert trie.stats.evicted_checkpoints == 1
+    assert trie.num_cached_blocks == 0
+    trie.abort(hungry)
+    trie.abort(hog)
+    trie.check()
+
+
+def test_attached_node_states_route_to_one_another() -> None:
+    """Why `settle` never meets a missing route (the subject passed to the spec's
+    route and step is only formatted for one: accepted equivalent mutants)."""
+    attached = [NodeState.CACHED.value, NodeState.EVICTABLE.value, NodeState.PINNED.value]
+    assert all((a, b) in NODE.routes for a in attached for b in attached)
+
+
+def test_a_parent_is_reclaimable_once_all_its_children_are() -> None:
+    """Two evictable leaves under one parent free three blocks: the parent becomes
+    an evictable leaf when its second child goes, and make-room plans for that."""
+    trie, _ = ssm_trie(num_blocks=8, manual=False)
+    for tokens in ([1] * 4 + [2] * 4, [1] * 4 + [3] * 4):
+        trie.release(_prefill(trie, tokens))
+    assert trie.num_cached_blocks == 3
+    assert trie.num_evictable_blocks == 2  # the two leaves; the parent is inner
+    hog = trie.match([5] * 4 * trie.num_free_blocks)
+    trie.allocate(hog, len(hog.tokens))
+    hungry = trie.match([4] * 16)
+    before = frozen(trie.snapshot())
+    with pytest.raises(OutOfBlocks, match=r"^need 4 KV blocks: 0 free and fewer than 4 "):
+        trie.allocate(hungry, 16)
+    assert frozen(trie.snapshot()) == before
+    trie.allocate(hungry, 12)
+    assert trie.stats.evicted_blocks == 3
+    assert trie.num_cached_blocks == 0
+    trie.abort(hungry)
+    trie.abort(hog)
+    trie.check()
+
+
+def _inner_and_pinned(trie: BlockTrie) -> tuple[Node, Node]:
+    """A cached inner node (no checkpoint) and a pinned leaf (its save in flight)."""
+    seq = _prefill(trie, [1] * 8 + [9])
+    trie.save(seq, 8, state(1.0))  # ManualCopies: the copy's pin stays
+    trie.release(seq)
+    inner = trie._roots[""].child_nodes()[0]
+    (leaf,) = inner.child_nodes()
+    return inner, leaf
+
+
+def test_freeing_a_node_that_is_not_evictable_is_the_node_lifecycles_error() -> None:
+    """The guard on eviction itself ([R23]): the spec's `free` is illegal from
+    anything but `evictable`, the error names the node, and nothing changes."""
+    trie, _ = ssm_trie()
+    inner, leaf = _inner_and_pinned(trie)
+    assert (inner.state, leaf.state) == ("cached", "pinned")
+    for node in (inner, leaf):
+        before = frozen(trie.snapshot())
+        with pytest.raises(IllegalTransition) as info:
+            trie._evictor._free(node)
+        error = info.value
+        assert (error.machine, error.trigger, error.state) == ("node", "free", node.state)
+        assert error.subject == repr(node)
+        assert frozen(trie.snapshot()) == before
+
+
+def test_an_evictable_node_without_a_parent_is_a_topology_violation() -> None:
+    trie, _ = ssm_trie()
+    orphan = detached_node(b"k", serial=7, block=0, state=NodeState.EVICTABLE.value)
+    with pytest.raises(InvariantViolation) as info:
+        trie._evictor._free(orphan)
+    assert info.value.invariant == "topology"
+    assert info.value.detail == f"evictable {orphan!r} has no parent"
+
+
+def test_an_evicted_node_is_left_freed_and_detached() -> None:
+    """A reference kept to an evicted node (from inspection, say) shows the
+    node lifecycle's final state and no parent."""
+    trie, _ = ssm_trie()
+    trie.release(_prefill(trie, [1] * 8 + [9]))
+    inner = trie._roots[""].child_nodes()[0]
+    (leaf,) = inner.child_nodes()
+    assert trie.evict(2) == 2
+    for node in (inner, leaf):
+        assert node.state == NodeState.FREED.value
+        assert node.parent is None
+    trie.check()
