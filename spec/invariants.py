@@ -62,18 +62,32 @@ def reference_conservation(snap: Snapshot) -> Problems:
             expected[ck["frozen_block"]] += 1
     for copy in snap["copies"].values():
         expected.update(copy["blocks"])
+    return _counts_agree(
+        "block", expected, snap["refcounts"], snap["free_blocks"], snap["capacity"]
+    )
+
+
+def _counts_agree(
+    what: str,
+    expected: Counter[int],
+    refcounts: dict[int, int],
+    free_list: list[int],
+    capacity: int,
+) -> Problems:
+    """Each of `capacity` blocks: its stored count equals its holders, it is free
+    iff that count is 0, and in the free list at most once."""
     problems: Problems = []
-    free = Counter(snap["free_blocks"])
+    free = Counter(free_list)
     for block, count in free.items():
         if count > 1:
-            problems.append(f"block {block} is in the free list {count} times")
-    for block in range(snap["capacity"]):
-        stored = snap["refcounts"].get(block, 0)
+            problems.append(f"{what} {block} is in the free list {count} times")
+    for block in range(capacity):
+        stored = refcounts.get(block, 0)
         if stored != expected[block]:
-            problems.append(f"block {block}: stored count {stored} != {expected[block]} holders")
+            problems.append(f"{what} {block}: stored count {stored} != {expected[block]} holders")
         if (stored == 0) != (block in free):
             problems.append(
-                f"block {block}: count {stored} but free-list membership {block in free}"
+                f"{what} {block}: count {stored} but free-list membership {block in free}"
             )
     return problems
 
@@ -390,20 +404,16 @@ def host_tier(snap: Snapshot) -> Problems:
             copy_holds.setdefault(("block", block), set()).add(copy["kind"])
         for block in copy["host_blocks"]:
             copy_holds.setdefault(("host", block), set()).add(copy["kind"])
-    free = Counter(snap["free_host_blocks"])
-    for block, count in free.items():
-        if count > 1:
-            problems.append(f"host block {block} is in the free list {count} times")
-    for block in range(snap["host_capacity"]):
-        stored = snap["host_refcounts"].get(block, 0)
-        if stored != expected[block]:
-            problems.append(
-                f"host block {block}: stored count {stored} != {expected[block]} holders"
-            )
-        if (stored == 0) != (block in free):
-            problems.append(f"host block {block}: count {stored} but free {block in free}")
-        if owners[block] > 1:
-            problems.append(f"host block {block} is owned by {owners[block]} nodes")
+    problems += _counts_agree(
+        "host block",
+        expected,
+        snap["host_refcounts"],
+        snap["free_host_blocks"],
+        snap["host_capacity"],
+    )
+    for block, owned in owners.items():
+        if owned > 1:
+            problems.append(f"host block {block} is owned by {owned} nodes")
     for nid, node in nodes.items():
         if node["parent"] is None:
             continue

@@ -14,6 +14,7 @@ from cache import (
     BlockTrie,
     CacheConfig,
     ConfigError,
+    Copy,
     HostTierError,
     InvalidArgument,
     ManualCopies,
@@ -223,22 +224,31 @@ def test_a_request_matching_a_block_being_loaded_waits_on_that_copy() -> None:
     trie.check()
 
 
-def test_load_of_a_longer_prompt_is_ordered_after_the_shared_load() -> None:
-    trie, copies = host_trie(manual=True)
-    assert copies is not None
-    longer = [1, 1, 2, 2, 3, 3, 4, 4, 9]
-    serve_manual(trie, copies, longer)
+LONGER = [1, 1, 2, 2, 3, 3, 4, 4, 9]  # A's three blocks and one more
+
+
+def chained_loads(trie: BlockTrie, copies: ManualCopies) -> tuple[Sequence, Copy, Sequence, Copy]:
+    """LONGER served and offloaded; a request for A loads its three blocks, then one
+    for LONGER shares that load and queues its own for the fourth block."""
+    serve_manual(trie, copies, LONGER)
     trie.evict(10)
     short = trie.match(A)
     first = trie.load(short)
-    seq = trie.match(longer)
+    seq = trie.match(LONGER)
     assert seq.num_host_tokens == 8
     own = trie.load(seq)
     assert own is not None and first is not None and own is not first
+    return short, first, seq, own
+
+
+def test_load_of_a_longer_prompt_is_ordered_after_the_shared_load() -> None:
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    short, first, seq, own = chained_loads(trie, copies)
     copies.complete(own)  # completes the shared load first: a stream runs in order
     assert first.done
     trie.poll()
-    assert_reads(trie, seq, longer)
+    assert_reads(trie, seq, LONGER)
     trie.release(short)
     trie.release(seq)
     trie.check()
@@ -329,14 +339,7 @@ def test_a_failed_load_cuts_every_request_that_reads_it() -> None:
 def test_a_load_ordered_after_a_failed_one_fails_too() -> None:
     trie, copies = host_trie(manual=True)
     assert copies is not None
-    longer = [1, 1, 2, 2, 3, 3, 4, 4, 9]
-    serve_manual(trie, copies, longer)
-    trie.evict(10)
-    short = trie.match(A)
-    first = trie.load(short)
-    seq = trie.match(longer)
-    own = trie.load(seq)
-    assert first is not None and own is not None
+    short, first, seq, own = chained_loads(trie, copies)
     copies.fail(first)
     assert own.failed
     trie.poll()

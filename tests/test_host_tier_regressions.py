@@ -19,7 +19,7 @@ from cache.host_tier import HostTier
 from cache.node import Node
 from cache.transfers import Transfers
 from spec.invariants import rollback
-from tests.test_host_tier import A, B, assert_reads, compute, host_trie
+from tests.test_host_tier import A, B, assert_reads, compute, host_trie, serve_manual
 
 Scenario = Callable[[], None]
 
@@ -28,13 +28,7 @@ def cached_then_offloaded(tokens: list[int] = A) -> tuple[BlockTrie, ManualCopie
     """A trie whose `tokens` were served, stored to the host and evicted from the device."""
     trie, copies = host_trie(manual=True)
     assert copies is not None
-    seq = trie.match(tokens)
-    trie.allocate(seq, len(tokens))
-    compute(trie, seq, tokens)
-    trie.commit(seq, len(tokens))
-    trie.release(seq)
-    copies.complete_all()
-    trie.poll()
+    serve_manual(trie, copies, tokens)
     assert trie.evict(100) == len(tokens) // B
     return trie, copies
 
