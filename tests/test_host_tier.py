@@ -142,15 +142,22 @@ def test_round_trip_returns_bit_identical_kv() -> None:
     trie.check()
 
 
-def test_a_storing_block_is_not_evictable_nor_loadable_until_its_copy_is_reaped() -> None:
-    trie, copies = host_trie(manual=True)
+def committed_with_its_store_pending(**kw: object) -> tuple[BlockTrie, ManualCopies, Copy]:
+    """A trie (ManualCopies) where A was committed and released; its store is queued."""
+    trie, copies = host_trie(manual=True, **kw)
     assert copies is not None
     seq = trie.match(A)
     trie.allocate(seq, len(A))
+    compute(trie, seq, A)
     trie.commit(seq, len(A))
     trie.release(seq)
     (store,) = copies.pending()
     assert store.kind == "store"
+    return trie, copies, store
+
+
+def test_a_storing_block_is_not_evictable_nor_loadable_until_its_copy_is_reaped() -> None:
+    trie, copies, store = committed_with_its_store_pending()
     assert set(residency(trie).values()) == {Residency.STORING.value}
     assert trie.evict(10) == 0  # the store copy reads every device block
     trie.check()
@@ -162,13 +169,7 @@ def test_a_storing_block_is_not_evictable_nor_loadable_until_its_copy_is_reaped(
 
 
 def test_a_failed_store_leaves_the_block_device_only() -> None:
-    trie, copies = host_trie(manual=True)
-    assert copies is not None
-    seq = trie.match(A)
-    trie.allocate(seq, len(A))
-    trie.commit(seq, len(A))
-    trie.release(seq)
-    (store,) = copies.pending()
+    trie, copies, store = committed_with_its_store_pending()
     copies.fail(store)
     trie.poll()
     assert set(residency(trie).values()) == {Residency.DEVICE.value}
