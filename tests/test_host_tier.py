@@ -586,3 +586,17 @@ def test_a_host_allocation_failure_skips_the_store_and_the_commit_stands() -> No
     assert set(residency(trie).values()) == {Residency.DEVICE.value}
     trie.release(seq)
     trie.check()
+
+
+def test_write_back_with_the_host_tier_full_frees_outright() -> None:
+    trie, _ = host_trie(host_blocks=1, host_write="back")
+    serve(trie, A)
+    serve(trie, OTHER)
+    assert trie.evict(1) == 1  # A's leaf written back: the host tier is full
+    pinned = trie.match(A)  # pins that host block (its host part)
+    assert pinned.num_host_tokens == 2 and trie.num_free_host_blocks == 0
+    assert trie.evict(1) == 1  # OTHER's leaf: no host block to be had, freed outright
+    assert trie.stats.stored_blocks == 1 and trie.num_host_cached_blocks == 1
+    assert (8, 8) not in residency(trie)
+    trie.release(pinned)
+    trie.check()
