@@ -600,3 +600,32 @@ def test_write_back_with_the_host_tier_full_frees_outright() -> None:
     assert (8, 8) not in residency(trie)
     trie.release(pinned)
     trie.check()
+
+
+def test_a_device_only_parent_takes_its_host_only_children_along() -> None:
+    """[R48]: a leaf with no host copy of its own (the host tier was full when it was
+    committed) whose children were offloaded is freed with them."""
+    trie, _ = host_trie(num_blocks=16, host_blocks=2)
+    serve(trie, [5, 5, 6, 6, 9])  # fills the host tier
+    serve(trie, [1, 1, 9])  # (1, 1) finds no host block: device-only
+    assert residency(trie)[(1, 1)] == Residency.DEVICE.value
+    assert trie.evict(2) == 2 and trie.evict_host(2) == 2  # the host tier is free again
+    serve(trie, [1, 1, 2, 2, 9])
+    serve(trie, [1, 1, 3, 3, 9])  # two mirrored children under the device-only parent
+    before = trie.stats.host_evicted_blocks
+    assert trie.evict(16) == 3
+    assert trie.stats.host_evicted_blocks == before + 2
+    assert trie.num_host_cached_blocks == 0 and residency(trie) == {}
+    trie.check()
+
+
+def test_host_eviction_leaves_the_node_freed_and_detached() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    root = trie._roots[""]
+    leaf = root.children.children.children  # type: ignore[union-attr]
+    assert leaf.state == NodeState.OFFLOADED.value
+    assert trie.evict_host(1) == 1
+    assert leaf.state == NodeState.FREED.value and leaf.parent is None
+    trie.check()
