@@ -629,3 +629,34 @@ def test_host_eviction_leaves_the_node_freed_and_detached() -> None:
     assert trie.evict_host(1) == 1
     assert leaf.state == NodeState.FREED.value and leaf.parent is None
     trie.check()
+
+
+def test_host_evicted_blocks_adds_up_across_calls() -> None:
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    assert trie.evict_host(1) == 1 and trie.evict_host(1) == 1
+    assert trie.stats.host_evicted_blocks == 2
+
+
+def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
+    """The guards for states that cannot arise say which invariant broke and where
+    (they are reached here by corrupting the structure on purpose)."""
+    from cache import InvariantViolation
+
+    trie, _ = host_trie()
+    serve(trie, A)
+    trie.evict(3)
+    leaf = trie._host.index.oldest()  # type: ignore[union-attr]
+    trie._host_pool.refs[leaf.host] += 1  # a reference nobody owns
+    with pytest.raises(InvariantViolation, match=r"host conservation.*still held") as held:
+        trie.evict_host(1)
+    assert repr(leaf) in str(held.value)
+    trie2, _ = host_trie()
+    serve(trie2, A)
+    trie2.evict(3)
+    leaf2 = trie2._host.index.oldest()  # type: ignore[union-attr]
+    leaf2.parent = None  # an attached node without a parent
+    with pytest.raises(InvariantViolation, match=r"topology.*has no parent") as orphan:
+        trie2.evict_host(1)
+    assert repr(leaf2) in str(orphan.value)
