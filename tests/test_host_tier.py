@@ -132,7 +132,7 @@ def test_round_trip_returns_bit_identical_kv() -> None:
     assert (seq.num_cached_tokens, seq.num_host_tokens) == (6, 6)
     assert len(seq.block_ids) == 0
     copy = trie.load(seq)
-    assert copy is not None and copy.kind == "load"
+    assert copy is not None and (copy.kind, copy.step) == ("load", 0)
     trie.poll()
     assert len(seq.block_ids) == 3
     assert_reads(trie, seq, A)
@@ -660,3 +660,22 @@ def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
     with pytest.raises(InvariantViolation, match=r"topology.*has no parent") as orphan:
         trie2.evict_host(1)
     assert repr(leaf2) in str(orphan.value)
+
+
+def test_the_cascade_guard_names_a_device_block_below_a_device_leaf() -> None:
+    """drop_below's guard (a state that cannot arise, reached by corrupting one)."""
+    from cache import InvariantViolation
+
+    trie, _ = host_trie(num_blocks=16, host_blocks=2)
+    serve(trie, [5, 5, 6, 6, 9])
+    serve(trie, [1, 1, 9])  # device-only
+    trie.evict(2)
+    trie.evict_host(2)
+    serve(trie, [1, 1, 2, 2, 9])
+    assert trie.evict(1) == 1  # (2, 2) offloaded: (1, 1) is a device leaf now
+    parent = trie._roots[""].child_nodes()[0]
+    (below,) = parent.child_nodes()
+    below.state = NodeState.CACHED.value  # as if it still owned a device block
+    with pytest.raises(InvariantViolation, match=r"residency.*below a device leaf") as err:
+        trie.evict(1)
+    assert repr(below) in str(err.value)
