@@ -36,10 +36,12 @@ from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
 from spec.lifecycle import (
     NODE,
+    RESIDENCY,
     CheckpointTrigger,
     NodeState,
     NodeTrigger,
     Residency,
+    ResidencyTrigger,
     implied_node_state,
 )
 
@@ -53,6 +55,7 @@ _OFFLOADED = NodeState.OFFLOADED.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
 _OFFLOAD = NodeTrigger.OFFLOAD.value
 _SHARE = NodeTrigger.SHARE.value
+_RESIDENCY_OFFLOAD = ResidencyTrigger.OFFLOAD.value
 _MIRRORED = Residency.MIRRORED.value
 _DEVICE = Residency.DEVICE.value
 
@@ -334,16 +337,12 @@ class Evictor:
         """
         if node.residency != _DEVICE:
             return self._offload(node)
-        if node.children is not NO_CHILDREN and self.host is not None:
-            self.host.drop_below(node)
         freed_state = _FREED_FROM.get(node.state)
         if freed_state is None:  # the spec's IllegalTransition, naming the node
             freed_state = NODE.step(_FREE, node.state, node)
-        freed = 0
-        ck = node.checkpoint
-        if ck is not None:
-            freed += self.checkpoints.drop(ck, CheckpointTrigger.EVICT)
-            self._stats.evicted_checkpoints += 1
+        if node.children is not NO_CHILDREN and self.host is not None:
+            self.host.drop_below(node)
+        freed = self._drop_checkpoint(node)
         parent = node.parent
         if parent is None:
             raise InvariantViolation("topology", f"evictable {node!r} has no parent")
@@ -365,19 +364,15 @@ class Evictor:
         blocks freed (its checkpoint's frozen tail too: checkpoints live on the
         device only, so an offloaded node holds none)."""
         state = NODE.step(_OFFLOAD, node.state, node)
+        residency = RESIDENCY.step(_RESIDENCY_OFFLOAD, node.residency, node)  # from `mirrored`
         host = self.host
-        if host is None or node.residency != _MIRRORED:
-            raise InvariantViolation(
-                "residency", f"{node!r} is {node.residency}: only a mirrored block is offloaded"
-            )
-        freed = 0
-        ck = node.checkpoint
-        if ck is not None:
-            freed += self.checkpoints.drop(ck, CheckpointTrigger.EVICT)
-            self._stats.evicted_checkpoints += 1
+        if host is None:
+            raise InvariantViolation("residency", f"{node!r} is offloaded without a host tier")
+        freed = self._drop_checkpoint(node)
         block = node.block
         self._events.removed_blocks(node, block)
         node.state = state
+        node.residency = residency
         node.block = NO_BLOCK
         self.owner[block] = None
         self.num_cached -= 1
@@ -386,6 +381,14 @@ class Evictor:
             freed += 1
         host.offloaded(node)
         return freed
+
+    def _drop_checkpoint(self, node: Node) -> int:
+        """Evict the checkpoint of `node` (leaving the device), if any; the blocks freed."""
+        ck = node.checkpoint
+        if ck is None:
+            return 0
+        self._stats.evicted_checkpoints += 1
+        return self.checkpoints.drop(ck, CheckpointTrigger.EVICT)
 
     # ------------------------------------------------------------ make room
 

@@ -237,8 +237,8 @@ class HostTier:
     # -------------------------------------------------------------- offload
 
     def offloaded(self, node: Node) -> None:
-        """Device eviction freed the device block of `node`, a mirrored leaf ([R48])."""
-        node.residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, node.residency, node)
+        """Device eviction freed the device block of `node`, a mirrored leaf, and moved
+        it to residency `host` ([R48]): it may be a host eviction candidate now."""
         self.settle(node)
 
     # ----------------------------------------------------------------- load

@@ -66,12 +66,22 @@ from spec.errors import (
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, CheckpointTrigger, CopyKind, NodeState, Residency
+from spec.lifecycle import (
+    CHECKPOINT,
+    RESIDENCY,
+    CheckpointTrigger,
+    CopyKind,
+    NodeState,
+    Residency,
+    ResidencyTrigger,
+)
 from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
 _LOADING = Residency.LOADING.value
+_LOAD_FAILED = ResidencyTrigger.LOAD_FAILED.value  # a copy undone never delivered
+_STORE_FAILED = ResidencyTrigger.STORE_FAILED.value
 
 
 class BlockTrie:
@@ -540,7 +550,7 @@ class BlockTrie:
             for node in own:
                 del host.loading[node]
                 kv.decref(node.block)  # the request's (the copy's went with the copy)
-                node.residency = Residency.HOST.value
+                node.residency = RESIDENCY.step(_LOAD_FAILED, node.residency, node)
                 self._evictor.detach_block(node)
                 host.settle(node)
 
@@ -687,7 +697,7 @@ class BlockTrie:
         def undo() -> None:
             del host.write_backs[copy.serial]
             for node in nodes:
-                node.residency = Residency.DEVICE.value
+                node.residency = RESIDENCY.step(_STORE_FAILED, node.residency, node)
                 host.pool.decref(node.host)  # the node's: the block is free again
                 node.host = NO_BLOCK
                 self._evictor.settle(node)
@@ -729,7 +739,7 @@ class BlockTrie:
 
         def undo() -> None:
             for node in storing:
-                node.residency = Residency.DEVICE.value
+                node.residency = RESIDENCY.step(_STORE_FAILED, node.residency, node)
                 host.pool.decref(node.host)  # the node's: the block is free again
                 node.host = NO_BLOCK
 

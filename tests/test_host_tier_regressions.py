@@ -19,7 +19,15 @@ from cache.host_tier import HostTier
 from cache.node import Node
 from cache.transfers import Transfers
 from spec.invariants import rollback
-from tests.test_host_tier import A, B, assert_reads, compute, host_trie, serve_manual
+from tests.test_host_tier import (
+    A,
+    B,
+    assert_reads,
+    committed_with_its_store_pending,
+    compute,
+    host_trie,
+    serve_manual,
+)
 
 Scenario = Callable[[], None]
 
@@ -80,13 +88,7 @@ def sglang_31427_abort_keeps_the_host_block_until_the_load_finishes() -> None:
 def sglang_28468_a_block_being_stored_is_never_freed_nor_reused() -> None:
     """sgl-project/sglang#28468: use-after-free when eviction freed a device block
     whose device -> host copy had not finished. Here the store copy holds it."""
-    trie, copies = host_trie(manual=True)
-    assert copies is not None
-    seq = trie.match(A)
-    trie.allocate(seq, len(A))
-    compute(trie, seq, A)
-    trie.commit(seq, len(A))
-    trie.release(seq)
+    trie, copies, _ = committed_with_its_store_pending()
     trie.check()
     assert trie.evict(100) == 0
     copies.complete_all()
