@@ -201,10 +201,7 @@ class Evictor:
 
     def detach_offloaded(self, parent: Node, node: Node) -> None:
         """Unlink `node`, an offloaded child of `parent` that host eviction frees."""
-        if parent.children is node:
-            parent.children = NO_CHILDREN
-        else:
-            parent.detach_child(node.key)
+        parent.detach_child(node.key)
         self._offloaded_child_gone(parent)
 
     def _offloaded_child_added(self, parent: Node | None) -> None:

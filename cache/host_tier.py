@@ -346,7 +346,7 @@ class HostTier:
         """Device eviction is freeing `node` outright (no host copy of its own): free its
         host-only descendants first, deepest first ([R48])."""
         doomed: list[Node] = []
-        stack = _children(node)
+        stack = node.child_nodes()
         while stack:
             child = stack.pop()
             if child.state != _OFFLOADED:
@@ -354,21 +354,12 @@ class HostTier:
                     "residency", f"{child!r} below a device leaf owns a device block"
                 )
             doomed.append(child)
-            stack.extend(_children(child))
+            stack.extend(child.child_nodes())
         for child in reversed(doomed):  # children before their parents
             self._unindex(child)
             self._free(child)
         self._events.host_removed(doomed)
         self._stats.host_evicted_blocks += len(doomed)
-
-
-def _children(node: Node) -> list[Node]:
-    children = node.children
-    if children is NO_CHILDREN:
-        return []
-    if type(children) is Node:
-        return [children]
-    return list(children.values())  # type: ignore[union-attr]
 
 
 __all__ = ["HostTier"]
