@@ -9,17 +9,20 @@ from cache.event_log import EventLog
 from cache.keys import block_identity
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
-from cache.node import Checkpoint, Node
+from cache.node import NO_SLOT, Checkpoint, Node
 from cache.sequence import PinReceipt
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
-from spec.errors import PinError
+from spec.errors import CacheError, InvariantViolation, PinError
 from spec.lifecycle import (
     CHECKPOINT,
     RECEIPT,
+    RESIDENCY,
     CheckpointState,
     CheckpointTrigger,
     ReceiptTrigger,
+    Residency,
+    ResidencyTrigger,
     implied_checkpoint_state,
 )
 
@@ -27,6 +30,8 @@ _PUBLISHED = CheckpointState.PUBLISHED.value
 _RESERVED = CheckpointState.RESERVED.value
 _WITHDRAWN = CheckpointState.WITHDRAWN.value
 _ABSENT = CheckpointState.ABSENT.value
+_MIRRORED = Residency.MIRRORED.value
+_ON_HOST = frozenset({Residency.MIRRORED.value, Residency.HOST.value})  # announced on host
 
 
 def _no_settle(node: Node) -> None:
@@ -47,6 +52,12 @@ class CheckpointStore:
       redeemed exactly once), counted on its checkpoint (invariant 2).
     - `on_pins_changed(anchor)` lets the evictor settle the anchor node, whose
       lifecycle state depends on the pin count.
+    - With a host tier (`host_slots`, [R53]-[R56]): a checkpoint's residency
+      changes only through the `spec.lifecycle.RESIDENCY` table; `lru` holds the
+      unpinned published checkpoints that own a device slot, `host_lru` the
+      unpinned published host-only ones. Evicting a `mirrored` checkpoint from
+      the device only gives its device slot back (`offload`); dropping one
+      gives back every slot it holds, on both tiers.
     It must not evict nodes or take KV blocks; it frees a frozen tail's block
     reference only when it drops that tail's checkpoint.
     """
@@ -58,6 +69,8 @@ class CheckpointStore:
         "_owner",
         "_serial",
         "_stats",
+        "host_lru",
+        "host_slots",
         "lru",
         "on_pins_changed",
         "slots",
@@ -80,6 +93,9 @@ class CheckpointStore:
         self._owner = owner
         self._serial = 0
         self.lru: LRUIndex[Checkpoint] = LRUIndex()
+        self.host_slots: CheckpointSlotPool | None = None
+        """The host checkpoint slots (None without a checkpoint host tier)."""
+        self.host_lru: LRUIndex[Checkpoint] = LRUIndex()
         self.on_pins_changed: Callable[[Node], None] = _no_settle
 
     # ------------------------------------------------------------ lookups
@@ -141,14 +157,18 @@ class CheckpointStore:
         anchor.checkpoint = ck
         return ck
 
+    def _index_of(self, ck: Checkpoint) -> LRUIndex[Checkpoint]:
+        """The eviction index `ck` belongs in while unpinned and published."""
+        return self.lru if ck.slot != NO_SLOT else self.host_lru
+
     def move(self, ck: Checkpoint, trigger: CheckpointTrigger) -> None:
-        """Fire `trigger` on `ck` through the spec's table; keeps `lru` in step."""
+        """Fire `trigger` on `ck` through the spec's table; keeps the indexes in step."""
         new = CHECKPOINT.step(trigger, ck.state, ck)
         if ck.state == _PUBLISHED:
-            self.lru.remove(ck)
+            self._index_of(ck).remove(ck)
         ck.state = new
         if new == _PUBLISHED:
-            self.lru.add(ck)
+            self._index_of(ck).add(ck)
 
     def publish(self, ck: Checkpoint) -> None:
         """A reserved checkpoint becomes matchable (and is announced, with events on)."""
@@ -203,16 +223,104 @@ class CheckpointStore:
         self.on_pins_changed(anchor)
 
     def drop(self, ck: Checkpoint, trigger: CheckpointTrigger) -> int:
-        """Release / evict / replace an unpinned checkpoint; returns KV blocks freed."""
+        """Release / evict / replace an unpinned checkpoint, on both tiers; returns
+        KV blocks freed."""
         announced = ck.state == _PUBLISHED
         self.move(ck, trigger)
         if announced:
-            self._events.checkpoint_dropped(ck)
+            if ck.slot != NO_SLOT:
+                self._events.checkpoint_dropped(ck)
+            if ck.residency in _ON_HOST:
+                self._events.checkpoint_dropped(ck, host=True)
         ck.anchor.checkpoint = None
-        self.slots.give(ck.slot)
+        if ck.slot != NO_SLOT:
+            self.slots.give(ck.slot)
+        if ck.host_slot != NO_SLOT:
+            self._host_pool().give(ck.host_slot)
         if ck.frozen_block is not None and self._kv.decref(ck.frozen_block):
             return 1
         return 0
+
+    def replace(self, old: Checkpoint, keep_frozen: bool) -> None:
+        """A save replaces unpinned `old` on its anchor ([R25]-[R27]): the new one
+        takes over its device slot (if it has one) and, with `keep_frozen`, its
+        frozen tail; its host slot is given back."""
+        announced_on_host = old.state == _PUBLISHED and old.residency in _ON_HOST
+        self.move(old, CheckpointTrigger.REPLACE)
+        old.anchor.checkpoint = None
+        if old.frozen_block is not None and not keep_frozen:
+            self._kv.decref(old.frozen_block)
+        if old.host_slot != NO_SLOT:
+            if announced_on_host:
+                self._events.checkpoint_dropped(old, host=True)
+            self._host_pool().give(old.host_slot)
+
+    # ------------------------------------------------------------ host tier
+
+    def _host_pool(self) -> CheckpointSlotPool:
+        pool = self.host_slots
+        if pool is None:
+            raise InvariantViolation("host tier", "a host checkpoint slot without a host tier")
+        return pool
+
+    def reserve_host_slot(self) -> int | None:
+        """A host slot for a new store, evicting the LRU host-only checkpoint if none
+        is free ([R55]); None when there is no host tier, every host slot is held by
+        a checkpoint it may not evict, or taking one fails (a store is best effort)."""
+        pool = self.host_slots
+        if pool is None:
+            return None
+        if pool.num_free == 0:
+            if not self.host_lru:
+                return None
+            self.evict_host_lru(1)
+        try:
+            return pool.take()
+        except CacheError:
+            return None
+
+    def begin_store(self, ck: Checkpoint, host_slot: int) -> None:
+        """`ck` (device-only) will be copied into `host_slot` ([R53]); the caller's
+        store copy pins it until reaped."""
+        ck.residency = RESIDENCY.step(ResidencyTrigger.STORE, ck.residency, ck)
+        ck.host_slot = host_slot
+
+    def stored(self, ck: Checkpoint, failed: bool) -> None:
+        """Its store copy was reaped (before its pin goes): `mirrored`, or `device`
+        again with the host slot given back if the copy failed."""
+        if failed:
+            ck.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, ck.residency, ck)
+            self._host_pool().give(ck.host_slot)
+            ck.host_slot = NO_SLOT
+            return
+        ck.residency = RESIDENCY.step(ResidencyTrigger.STORED, ck.residency, ck)
+        self._stats.checkpoints_stored += 1
+        if CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # still matchable
+            self._events.checkpoint_published(ck, self._block_size, host=True)
+
+    def offload(self, ck: Checkpoint) -> None:
+        """Give back the device slot of an unpinned published `mirrored` checkpoint
+        ([R54]): it stays matchable, host-only."""
+        residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, ck.residency, ck)
+        if ck.state != _PUBLISHED:
+            raise InvariantViolation("pin safety", f"offload of {ck!r}: only an unpinned one")
+        self.lru.remove(ck)
+        self._events.checkpoint_dropped(ck)
+        self.slots.give(ck.slot)
+        ck.slot = NO_SLOT
+        ck.residency = residency
+        self.host_lru.add(ck)
+        self._stats.checkpoints_offloaded += 1
+
+    def evict_host_lru(self, count: int) -> int:
+        """Drop up to `count` unpinned host-only checkpoints, least recent first ([R55])."""
+        done = 0
+        lru = self.host_lru
+        while done < count and lru:
+            self.drop(lru.oldest(), CheckpointTrigger.EVICT)
+            done += 1
+        self._stats.host_evicted_checkpoints += done
+        return done
 
     # ------------------------------------------------------------ eviction
 
@@ -235,11 +343,19 @@ class CheckpointStore:
         return [ck for ck in self.lru.unordered() if ck.frozen_block is not None]
 
     def evict_lru(self, count: int) -> int:
-        """Evict up to `count` unpinned checkpoints, least recent first ([R24])."""
+        """Free up to `count` device slots of unpinned checkpoints, least recent
+        first ([R24]): a `mirrored` one is offloaded (it stays, host-only: [R54]),
+        any other is evicted. Returns the device slots freed."""
         done = 0
+        evicted = 0
         lru = self.lru
         while done < count and lru:
-            self.drop(lru.oldest(), CheckpointTrigger.EVICT)
+            ck = lru.oldest()
+            if ck.residency == _MIRRORED:
+                self.offload(ck)
+            else:
+                self.drop(ck, CheckpointTrigger.EVICT)
+                evicted += 1
             done += 1
-        self._stats.evicted_checkpoints += done
+        self._stats.evicted_checkpoints += evicted
         return done

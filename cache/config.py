@@ -79,10 +79,15 @@ class CacheConfig:
     - `host_write`: when blocks are copied to the host tier: "through" (the
       default: each block as it is committed) or "back" (only when device
       eviction picks it; its device block is freed once the copy finished).
+    - `num_host_checkpoint_slots`: SSM checkpoint slots in host memory (an int >=
+      0, default 0; needs `num_checkpoint_slots` > 0). A block-aligned checkpoint
+      is copied to a host slot as it is saved; evicting it from its device slot
+      then keeps it, host-only, for a later restore straight from the host
+      ([R53]-[R56], docs/host-tier.md).
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
 
-    Limits: `num_blocks`, `num_host_blocks` and `num_checkpoint_slots` at most
+    Limits: `num_blocks`, `num_host_blocks` and both checkpoint slot counts at most
     `MAX_POOL_ENTRIES`;
     a CUDA device must exist when asked for.
     """
@@ -101,6 +106,7 @@ class CacheConfig:
     block_hash: str = "xxh3"
     num_host_blocks: int = 0
     host_write: str = "through"
+    num_host_checkpoint_slots: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -114,6 +120,17 @@ class CacheConfig:
         _positive_int(
             "num_host_blocks", self.num_host_blocks, allow_zero=True, limit=MAX_POOL_ENTRIES
         )
+        _positive_int(
+            "num_host_checkpoint_slots",
+            self.num_host_checkpoint_slots,
+            allow_zero=True,
+            limit=MAX_POOL_ENTRIES,
+        )
+        if self.num_host_checkpoint_slots > 0 and self.num_checkpoint_slots == 0:
+            raise ConfigError(
+                "CacheConfig.num_host_checkpoint_slots needs num_checkpoint_slots > 0: host "
+                "checkpoints are stored from device checkpoints"
+            )
         if self.host_write not in HOST_WRITE_POLICIES:
             raise ConfigError(
                 f"CacheConfig.host_write must be one of {HOST_WRITE_POLICIES}, "
@@ -142,6 +159,9 @@ class CacheConfig:
             ("kv_block_shape", self.num_host_blocks, self.kv_block_shape),
         ]
         pools += [(f"state_shapes[{n!r}]", self.num_checkpoint_slots, s) for n, s in shapes.items()]
+        pools += [
+            (f"state_shapes[{n!r}]", self.num_host_checkpoint_slots, s) for n, s in shapes.items()
+        ]
         for field_name, entries, pool_shape in pools:
             if pool_shape is not None and entries * _numel(pool_shape) >= 2**63:
                 raise ConfigError(
@@ -185,6 +205,11 @@ class CacheConfig:
     def host_tier(self) -> bool:
         """Whether evicted KV blocks are kept in a host-memory tier."""
         return self.num_host_blocks > 0
+
+    @property
+    def host_checkpoints(self) -> bool:
+        """Whether SSM checkpoints are also kept in a host-memory tier ([R53])."""
+        return self.num_host_checkpoint_slots > 0
 
     @property
     def ssm(self) -> bool:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from cache.sequence import PinReceipt
 
 Resource = tuple[str, int]
-"""("block", id), ("host_block", id) or ("slot", id): what a copy touches, for ordering."""
+"""("block", id), ("host_block", id), ("slot", id) or ("host_slot", id): what a copy touches,
+for ordering."""
 
 
 class Copy:

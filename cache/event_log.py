@@ -49,6 +49,7 @@ class EventLog:
     __slots__ = (
         "_drained_checkpoints",
         "_drained_host",
+        "_drained_host_checkpoints",
         "_drained_view",
         "_events",
         "chain",
@@ -64,6 +65,7 @@ class EventLog:
         self._drained_view: set[int] = set()
         self._drained_checkpoints: set[int] = set()
         self._drained_host: set[int] = set()
+        self._drained_host_checkpoints: set[int] = set()
         self.hasher: BlockHasher | None = None
         self.chain: ChainFn | None = None
         self.chain_packed: PackedChainFn | None = None
@@ -206,8 +208,9 @@ class EventLog:
                 )
             )
 
-    def checkpoint_published(self, ck: Checkpoint, block_size: int) -> None:
-        """`ck` became matchable: a `BlockStored` in the checkpoint group.
+    def checkpoint_published(self, ck: Checkpoint, block_size: int, host: bool = False) -> None:
+        """`ck` became matchable: a `BlockStored` in the checkpoint group (with `host`,
+        its host copy did: medium "CPU", its host slot; [R53]).
 
         At a block boundary the checkpoint is named by the KV block it ends at;
         with a partial tail, by the tail's hash chained under its anchor
@@ -217,6 +220,24 @@ class EventLog:
         if not self.enabled or self.chain is None:
             return
         anchor = ck.anchor
+        from cache.block_hash import extra_keys
+
+        if host:  # named as on the device (a host copy is block-aligned)
+            parent = anchor.parent
+            parent_hash = None if parent is None or parent.key is None else parent.block_hash
+            self._events.append(
+                checkpoint_stored(
+                    ck.block_hash,
+                    ck.host_slot,
+                    parent_hash,
+                    anchor.tokens,
+                    block_size,
+                    anchor.namespace,
+                    extra_keys=extra_keys(anchor.extra, anchor.namespace),
+                    medium=MEDIUM_CPU,
+                )
+            )
+            return
         if ck.tail:
             ck.block_hash = self.chain(anchor.block_hash, ck.tail, ck.tail_extra, anchor.namespace)
             parent_hash = None if anchor.key is None else anchor.block_hash
@@ -226,7 +247,6 @@ class EventLog:
             parent = anchor.parent
             parent_hash = None if parent is None or parent.key is None else parent.block_hash
             tokens, extra = anchor.tokens, anchor.extra
-        from cache.block_hash import extra_keys
 
         self._events.append(
             checkpoint_stored(
@@ -240,11 +260,13 @@ class EventLog:
             )
         )
 
-    def checkpoint_dropped(self, ck: Checkpoint) -> None:
-        """A published `ck` was released, replaced or evicted: a `BlockRemoved`."""
+    def checkpoint_dropped(self, ck: Checkpoint, host: bool = False) -> None:
+        """A published `ck` left its device slot (released, replaced, evicted or
+        offloaded), or with `host` its host slot: a `BlockRemoved`."""
         if self.enabled:
+            slot, medium = (ck.host_slot, MEDIUM_CPU) if host else (ck.slot, MEDIUM_GPU)
             self._events.append(
-                checkpoint_removed((ck.block_hash,), (ck.slot,), ck.anchor.namespace)
+                checkpoint_removed((ck.block_hash,), (slot,), ck.anchor.namespace, medium=medium)
             )
 
     def cleared(self) -> None:
@@ -259,6 +281,9 @@ class EventLog:
         replay(events, self._drained_view)
         replay(events, self._drained_checkpoints, group_idx=CHECKPOINT_GROUP)
         replay(events, self._drained_host, medium=MEDIUM_CPU)
+        replay(
+            events, self._drained_host_checkpoints, group_idx=CHECKPOINT_GROUP, medium=MEDIUM_CPU
+        )
         return events
 
     def replayed_blocks(self) -> set[int] | None:
@@ -278,3 +303,14 @@ class EventLog:
         if not self.enabled:
             return None
         return replay(self._events, set(self._drained_checkpoints), group_idx=CHECKPOINT_GROUP)
+
+    def replayed_host_checkpoint_slots(self) -> set[int] | None:
+        """The host checkpoint slots all events so far replay to (None when events are off)."""
+        if not self.enabled:
+            return None
+        return replay(
+            self._events,
+            set(self._drained_host_checkpoints),
+            group_idx=CHECKPOINT_GROUP,
+            medium=MEDIUM_CPU,
+        )

@@ -46,7 +46,9 @@ def snapshot(trie: BlockTrie) -> Snapshot:
                 "step": ck.step,
                 "tail": ck.tail,
                 "tail_extra": ck.tail_extra,
-                "slot": ck.slot,
+                "slot": None if ck.slot < 0 else ck.slot,
+                "host_slot": None if ck.host_slot < 0 else ck.host_slot,
+                "residency": ck.residency,
                 "frozen_block": ck.frozen_block,
                 "pins": ck.pins,
                 "state": ck.state,
@@ -108,6 +110,12 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "host_refcounts": dict(enumerate(host_pool.refs)),
         "host_index": [] if host is None else [n.serial for n in host.index],
         "event_host_blocks": trie._events.replayed_host_blocks() if host is not None else None,
+        "host_slot_capacity": trie._host_slots.capacity,
+        "free_host_slots": trie._host_slots.free_ids(),
+        "host_checkpoint_index": [c.serial for c in trie._checkpoints.host_lru],
+        "event_host_checkpoint_slots": (
+            trie._events.replayed_host_checkpoint_slots() if trie.config.host_checkpoints else None
+        ),
     }
 
 

@@ -42,6 +42,9 @@ _new_object = object.__new__
 
 NO_BLOCK = -1
 """`Node.block` of a node that owns no device block: a root, or an `offloaded` node."""
+NO_SLOT = -1
+"""`Checkpoint.slot` of a host-only checkpoint; `Checkpoint.host_slot` of one without a
+host copy."""
 
 _DEVICE = Residency.DEVICE.value  # a new node's residency
 
@@ -213,13 +216,19 @@ class Checkpoint:
     `tail`/`tail_extra` are the tokens and identity of the partial block past
     the anchor (empty / None for a block-aligned step); `frozen_block` holds a
     private copy of that partial block. `pins` counts outstanding receipts.
+    `slot` is its device checkpoint slot (`NO_SLOT` once it is host-only),
+    `host_slot` its host slot (`NO_SLOT` without one), and `residency` where
+    its state lives (`spec.lifecycle.Residency`: device, storing, mirrored or
+    host; [R53]-[R54]).
     """
 
     __slots__ = (
         "anchor",
         "block_hash",
         "frozen_block",
+        "host_slot",
         "pins",
+        "residency",
         "serial",
         "slot",
         "state",
@@ -253,9 +262,11 @@ class Checkpoint:
         self.state = state
         self.pins = 0
         self.block_hash = 0  # set when published with events on
+        self.host_slot = NO_SLOT
+        self.residency = _DEVICE
 
     def __repr__(self) -> str:
         return (
             f"<Checkpoint #{self.serial} step={self.step} slot={self.slot} "
-            f"{self.state} pins={self.pins}>"
+            f"{self.state} {self.residency} pins={self.pins}>"
         )

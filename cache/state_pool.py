@@ -13,12 +13,24 @@ from spec.errors import CacheError, InvalidArgument, InvalidType, OutOfStateSlot
 class CheckpointSlotPool:
     """Owns `num_slots` checkpoint slots: per state name a `[num_slots, *shape]` tensor.
 
+    `name` labels its errors ("checkpoint pool", "host checkpoint pool");
+    `pin_memory` page-locks a host pool that copies to a CUDA device read.
+
     Contract: a slot is either free (in the free list once) or held by exactly
     one checkpoint. `take` hands out a slot; `give` returns it; giving a free
     slot back raises `CacheError`.
     """
 
-    __slots__ = ("_faults", "_free", "_held", "capacity", "shapes", "tensors")
+    __slots__ = (
+        "_fault_point",
+        "_faults",
+        "_free",
+        "_held",
+        "capacity",
+        "name",
+        "shapes",
+        "tensors",
+    )
 
     def __init__(
         self,
@@ -27,12 +39,19 @@ class CheckpointSlotPool:
         dtype: torch.dtype,
         device: torch.device,
         faults: Faults,
+        *,
+        name: str = "checkpoint pool",
+        pin_memory: bool = False,
     ) -> None:
         self.capacity = num_slots
         self.shapes = dict(shapes)
+        self.name = name
+        self._fault_point = "slots.take" if name == "checkpoint pool" else "host_slots.take"
         self.tensors: dict[str, torch.Tensor] = (
             {
-                name: torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+                name: torch.zeros(
+                    (num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory
+                )
                 for name, shape in self.shapes.items()
             }
             if num_slots
@@ -53,9 +72,9 @@ class CheckpointSlotPool:
 
     def take(self) -> int:
         """Take one free slot."""
-        self._faults.check("slots.take")
+        self._faults.check(self._fault_point)
         if not self._free:
-            raise OutOfStateSlots(f"checkpoint pool: all {self.capacity} slots are held")
+            raise OutOfStateSlots(f"{self.name}: all {self.capacity} slots are held")
         slot = self._free.pop()
         self._held[slot] = True
         return slot
@@ -63,7 +82,7 @@ class CheckpointSlotPool:
     def give(self, slot: int) -> None:
         """Return a held slot to the free list."""
         if not self._held[slot]:
-            raise CacheError(f"checkpoint pool: slot {slot} is already free (double release)")
+            raise CacheError(f"{self.name}: slot {slot} is already free (double release)")
         self._held[slot] = False
         self._free.append(slot)
 

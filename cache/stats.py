@@ -31,6 +31,9 @@ class CacheStats:
     loaded_blocks: int
     stored_blocks: int
     host_evicted_blocks: int
+    checkpoints_stored: int
+    checkpoints_offloaded: int
+    host_evicted_checkpoints: int
     peak_pins: int
     pins: int
 

@@ -34,7 +34,7 @@ from spec.lifecycle import CopyKind, CopyState, CopyTrigger
 
 if TYPE_CHECKING:
     from cache.host_tier import HostTier
-    from cache.node import Node
+    from cache.node import Checkpoint, Node
 
 _QUEUED = CopyState.QUEUED.value
 _LOAD = CopyKind.LOAD.value
@@ -97,18 +97,24 @@ class Transfers:
         into_checkpoint: bool,
         frozen_block: int | None,
         seq_block: int,
+        from_host: bool = False,
     ) -> Copy:
         """A copy between `runtime` and checkpoint `slot` (and, for a partial
         checkpoint, between the sequence's block and the frozen tail block).
 
-        `into_checkpoint` is True for a save, False for a restore. For a
-        partial checkpoint the copy takes a reference on `seq_block`, which
-        it reads (save) or writes (restore) until reaped.
+        `into_checkpoint` is True for a save, False for a restore; `from_host`
+        makes `slot` a host checkpoint slot a restore reads ([R56]). For a
+        partial checkpoint the copy takes a reference on `seq_block`, which it
+        reads (save) or writes (restore) until reaped.
         """
-        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, view in self._slots.views(slot).items():
-            moves.append((runtime[name], view) if into_checkpoint else (view, runtime[name]))
+        pool = self._slots
         resources: list[Resource] = [("slot", slot)]
+        if from_host:
+            pool = self._checkpoints._host_pool()
+            resources = [("host_slot", slot)]
+        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, view in pool.views(slot).items():
+            moves.append((runtime[name], view) if into_checkpoint else (view, runtime[name]))
         if frozen_block is not None:
             src, dst = (seq_block, frozen_block) if into_checkpoint else (frozen_block, seq_block)
             resources += [("block", src), ("block", dst)]
@@ -121,6 +127,21 @@ class Transfers:
         if frozen_block is not None:
             self._kv.incref(seq_block)
             copy.blocks.append(seq_block)
+        return copy
+
+    def build_checkpoint_store(self, ck: Checkpoint) -> Copy:
+        """The store copy of `ck` (device slot -> its host slot, [R53]); the caller
+        pins `ck` for it (the pin is released when it is reaped)."""
+        host = self._checkpoints._host_pool()
+        moves = [
+            (view, host.tensors[name][ck.host_slot])
+            for name, view in self._slots.views(ck.slot).items()
+        ]
+        self._serial += 1
+        copy = Copy(
+            _STORE, ck.step, moves, [("slot", ck.slot), ("host_slot", ck.host_slot)], self._serial
+        )
+        copy._on_fail = self._failed
         return copy
 
     def hold(self, copy: Copy, blocks: list[int], host_blocks: list[int]) -> None:
@@ -188,9 +209,9 @@ class Transfers:
             return
         ck = copy.receipts[0].checkpoint
         self._checkpoints.withdraw(ck)
-        for other in list(self.inflight.values()):
+        for other in list(self.inflight.values()):  # restores and its store ([R53]) read it
             if (
-                other.kind == "restore"
+                other.kind != "save"
                 and other.state == _QUEUED
                 and any(r.checkpoint is ck for r in other.receipts)
             ):
@@ -211,6 +232,8 @@ class Transfers:
             else:
                 failed_loads = host.loaded(copy)
         checkpoints = self._checkpoints
+        if copy.kind == _STORE and copy.receipts:  # a checkpoint's store ([R53])
+            checkpoints.stored(copy.receipts[0].checkpoint, copy.failed)
         for receipt in copy.receipts:
             checkpoints.unpin(receipt)
         kv = self._kv

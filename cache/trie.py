@@ -49,7 +49,7 @@ from cache.faults import Faults
 from cache.host_tier import HostTier
 from cache.keys import block_identity, key_packed, request_keys
 from cache.kv_pool import KVBlockPool
-from cache.node import NO_BLOCK, Checkpoint, Node, child_of
+from cache.node import NO_BLOCK, NO_SLOT, Checkpoint, Node, child_of
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -137,11 +137,21 @@ class BlockTrie:
                 name="host tier",
                 pin_memory=config.host_tier and self.device.type == "cuda",
             )
+            host_slots = CheckpointSlotPool(
+                config.num_host_checkpoint_slots,
+                config.state_shapes,
+                config.state_dtype,
+                torch.device("cpu"),
+                self.faults,
+                name="host checkpoint pool",
+                pin_memory=config.host_checkpoints and self.device.type == "cuda",
+            )
         except (MemoryError, RuntimeError) as exc:
             raise ConfigError(
                 f"cannot allocate the pools of {config.num_blocks} KV blocks "
                 f"({config.kv_bytes_per_block()} B each), {config.num_host_blocks} host blocks "
-                f"and {config.num_checkpoint_slots} checkpoint slots "
+                f"and {config.num_checkpoint_slots} + {config.num_host_checkpoint_slots} "
+                "(host) checkpoint slots "
                 f"({config.state_bytes_per_slot()} B each) on {self.device}: {exc}"
             ) from None
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
@@ -152,6 +162,9 @@ class BlockTrie:
         self._checkpoints = CheckpointStore(
             self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
+        self._host_slots = host_slots
+        if config.host_checkpoints:
+            self._checkpoints.host_slots = host_slots
         self._host: HostTier | None = None
         if config.host_tier:
             self._host = HostTier(host_pool, self._kv, self.stats, self._events)
@@ -196,6 +209,16 @@ class BlockTrie:
         return self._slots.num_free
 
     @property
+    def num_free_host_checkpoint_slots(self) -> int:
+        """Host checkpoint slots in the free list (0 without a checkpoint host tier)."""
+        return self._host_slots.num_free
+
+    @property
+    def num_host_checkpoints(self) -> int:
+        """Checkpoints holding a host slot: storing, mirrored or host-only ([R53])."""
+        return self._host_slots.capacity - self._host_slots.num_free
+
+    @property
     def num_evictable_blocks(self) -> int:
         """Nodes in the eviction index (evictable leaves right now)."""
         return len(self._evictor.index)
@@ -230,6 +253,12 @@ class BlockTrie:
     def checkpoint_states(self) -> dict[str, torch.Tensor]:
         """Per state name, the checkpoint pool tensor `[num_checkpoint_slots, *shape]`."""
         return dict(self._slots.tensors)
+
+    @property
+    def host_checkpoint_states(self) -> dict[str, torch.Tensor]:
+        """Per state name, the host checkpoint pool tensor
+        `[num_host_checkpoint_slots, *shape]` (empty without one)."""
+        return dict(self._host_slots.tensors)
 
     @property
     def copies(self) -> CopyEngine:
@@ -975,7 +1004,7 @@ class BlockTrie:
                     return None
             reuse_frozen = old is not None and old.frozen_block is not None and rem > 0  # [R27]
             need_block = rem > 0 and not reuse_frozen
-            need_slot = old is None
+            need_slot = old is None or old.slot == NO_SLOT  # none, or a host-only one ([R54])
             evictor = self._evictor
             # [R30]: feasibility first, on the unchanged state.
             if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
@@ -989,7 +1018,7 @@ class BlockTrie:
                 self._checkpoints.evict_lru(1)  # [R28]
             if need_block:
                 evictor.make_room(1)  # [R29]
-            slot = self._slots.take() if old is None else old.slot
+            slot = self._slots.take() if need_slot or old is None else old.slot
             frozen: int | None = old.frozen_block if reuse_frozen and old is not None else None
             if need_block:
                 try:
@@ -1003,10 +1032,7 @@ class BlockTrie:
             if anchor is None:  # created only now that nothing can fail ([R6], [R11])
                 anchor = self._root(seq.namespace)
             if old is not None:
-                self._checkpoints.move(old, CheckpointTrigger.REPLACE)
-                anchor.checkpoint = None
-                if old.frozen_block is not None and not reuse_frozen:
-                    self._kv.decref(old.frozen_block)
+                self._checkpoints.replace(old, reuse_frozen)
             self._clock += 1  # [R31]
             ck = self._checkpoints.reserve(
                 anchor, step, tail, tail_extra, slot, frozen, self._clock
@@ -1033,9 +1059,31 @@ class BlockTrie:
                 stats.checkpoints_saved -= 1
 
             self._transfers.launch(copy, undo)
+            if not tail and self._checkpoints.host_slots is not None:
+                self._store_checkpoint(ck)
             return copy
         finally:
             self._gate.release()
+
+    def _store_checkpoint(self, ck: Checkpoint) -> None:
+        """Write-through ([R53]): queue the copy of a just-saved, block-aligned
+        checkpoint into a host slot, ordered after its save copy (both touch its
+        slot), pinning it until reaped. Best effort: with no host slot to be had,
+        or a copy that fails when queued, it stays device-only."""
+        checkpoints = self._checkpoints
+        host_slot = checkpoints.reserve_host_slot()
+        if host_slot is None:
+            return
+        checkpoints.begin_store(ck, host_slot)
+        copy = self._transfers.build_checkpoint_store(ck)
+        copy.receipts.append(checkpoints.pin(ck))
+
+        def undo() -> None:
+            checkpoints.stored(ck, failed=True)
+            checkpoints.unpin(copy.receipts[0])
+
+        with contextlib.suppress(CacheError):  # a failed store is undone: device-only
+            self._transfers.launch(copy, undo)
 
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
         """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block)
@@ -1076,9 +1124,11 @@ class BlockTrie:
             self._clock += 1  # [R34]
             ck.tick = self._clock  # [R9]; pinned, so in no index while it changes
             seq_block = seq.blocks[depth] if ck.frozen_block is not None else -1
+            from_host = ck.slot == NO_SLOT  # [R56]: host-only, read straight from its host slot
             copy = self._transfers.build(
-                "restore", ck.step, ck.slot, runtime, into_checkpoint=False,
-                frozen_block=ck.frozen_block, seq_block=seq_block,
+                "restore", ck.step, ck.host_slot if from_host else ck.slot, runtime,
+                into_checkpoint=False, frozen_block=ck.frozen_block, seq_block=seq_block,
+                from_host=from_host,
             )  # fmt: skip
             copy.receipts.append(receipt)
             seq.match_receipt = None

@@ -100,17 +100,30 @@ def pin_safety(snap: Snapshot) -> Problems:
     for cid, count in receipts.items():
         if cid not in checkpoints:
             problems.append(f"{count} receipt(s) pin checkpoint {cid}, which was released")
-    slots: Counter[int] = Counter(ck["slot"] for ck in checkpoints.values())
-    free_slots = set(snap["free_slots"])
+    device = {cid: ck["slot"] for cid, ck in checkpoints.items()}
+    host = {cid: ck["host_slot"] for cid, ck in checkpoints.items()}
+    problems += _slots_held_once("slot", device, snap["free_slots"])
+    problems += _slots_held_once("host slot", host, snap["free_host_slots"])
     for cid, ck in checkpoints.items():
         if ck["pins"] != receipts[cid]:
             problems.append(f"checkpoint {cid}: pin count {ck['pins']} != {receipts[cid]} receipts")
-        if slots[ck["slot"]] > 1:
-            problems.append(f"checkpoint {cid}: slot {ck['slot']} is held by another checkpoint")
-        if ck["slot"] in free_slots:
-            problems.append(f"checkpoint {cid}: slot {ck['slot']} is also in the free list")
         if ck["frozen_block"] is not None and ck["frozen_block"] in snap["free_blocks"]:
             problems.append(f"checkpoint {cid}: frozen block {ck['frozen_block']} is free")
+    return problems
+
+
+def _slots_held_once(what: str, held_by: dict[int, int | None], free_list: list[int]) -> Problems:
+    """Each held slot (None: none) is held by one checkpoint and not in the free list."""
+    problems: Problems = []
+    held: Counter[int] = Counter(slot for slot in held_by.values() if slot is not None)
+    free = set(free_list)
+    for cid, slot in held_by.items():
+        if slot is None:
+            continue
+        if held[slot] > 1:
+            problems.append(f"checkpoint {cid}: {what} {slot} is held by another checkpoint")
+        if slot in free:
+            problems.append(f"checkpoint {cid}: {what} {slot} is also in the free list")
     return problems
 
 
@@ -281,6 +294,7 @@ def explicit_state(snap: Snapshot) -> Problems:
             f"by (tick, serial) {expected_host}"
         )
     published: list[tuple[int, int, int]] = []
+    host_only: list[tuple[int, int, int]] = []
     for cid, ck in checkpoints.items():
         withdrawn = ck["state"] == CheckpointState.WITHDRAWN.value
         implied_ck = implied_checkpoint_state(
@@ -295,11 +309,20 @@ def explicit_state(snap: Snapshot) -> Problems:
         if anchor is None or anchor["checkpoint"] != cid:
             problems.append(f"checkpoint {cid}: its anchor does not point back to it")
         if implied_ck == CheckpointState.PUBLISHED.value:
-            published.append((ck["tick"], ck["serial"], cid))
+            (published if ck["slot"] is not None else host_only).append(
+                (ck["tick"], ck["serial"], cid)
+            )
     expected_ck = [cid for _, _, cid in sorted(published)]
     if snap["checkpoint_index"] != expected_ck:
         problems.append(
-            f"checkpoint index {snap['checkpoint_index']} != published checkpoints {expected_ck}"
+            f"checkpoint index {snap['checkpoint_index']} != published checkpoints with a device "
+            f"slot {expected_ck}"
+        )
+    expected_host_ck = [cid for _, _, cid in sorted(host_only)]
+    if snap["host_checkpoint_index"] != expected_host_ck:
+        problems.append(
+            f"host checkpoint index {snap['host_checkpoint_index']} != published host-only "
+            f"checkpoints {expected_host_ck}"
         )
     for copy_id, copy in snap["copies"].items():
         failed = copy["state"] == CopyState.FAILED.value
@@ -326,11 +349,23 @@ def accounting(snap: Snapshot) -> Problems:
         problems.append(
             f"KV pool: free {free} + cached {cached} + in use {in_use} != {snap['capacity']}"
         )
-    held = len(snap["checkpoints"])
-    if len(snap["free_slots"]) + held != snap["slot_capacity"]:
-        problems.append(
-            f"slot pool: free {len(snap['free_slots'])} + held {held} != {snap['slot_capacity']}"
-        )
+    checkpoints = snap["checkpoints"].values()
+    for pool, held, free, capacity in (
+        (
+            "slot pool",
+            sum(1 for ck in checkpoints if ck["slot"] is not None),
+            len(snap["free_slots"]),
+            snap["slot_capacity"],
+        ),
+        (
+            "host slot pool",
+            sum(1 for ck in checkpoints if ck["host_slot"] is not None),
+            len(snap["free_host_slots"]),
+            snap["host_slot_capacity"],
+        ),
+    ):
+        if free + held != capacity:
+            problems.append(f"{pool}: free {free} + held {held} != {capacity}")
     return problems
 
 
@@ -356,12 +391,29 @@ def events(snap: Snapshot) -> Problems:
     if slots is not None:
         unannounced = (CheckpointState.RESERVED.value, CheckpointState.WITHDRAWN.value)
         matchable = {
-            ck["slot"] for ck in snap["checkpoints"].values() if ck["state"] not in unannounced
+            ck["slot"]
+            for ck in snap["checkpoints"].values()
+            if ck["state"] not in unannounced and ck["slot"] is not None
         }
         if slots != matchable:
             problems.append(
                 f"checkpoint events replay to slots {sorted(slots - matchable)} extra / "
                 f"{sorted(matchable - slots)} missing"
+            )
+    host_slots = snap["event_host_checkpoint_slots"]
+    if host_slots is not None:
+        unannounced = (CheckpointState.RESERVED.value, CheckpointState.WITHDRAWN.value)
+        stored = {
+            ck["host_slot"]
+            for ck in snap["checkpoints"].values()
+            if ck["state"] not in unannounced
+            and ck["residency"] in _ANNOUNCED_CHECKPOINT
+            and ck["host_slot"] is not None
+        }
+        if host_slots != stored:
+            problems.append(
+                f"host checkpoint events replay to slots {sorted(host_slots - stored)} extra / "
+                f"{sorted(stored - host_slots)} missing"
             )
     return problems
 
@@ -372,6 +424,7 @@ _ON_DEVICE = frozenset(
 _ON_HOST = frozenset(
     r.value for r in (Residency.STORING, Residency.MIRRORED, Residency.HOST, Residency.LOADING)
 )
+_ANNOUNCED_CHECKPOINT = frozenset(r.value for r in (Residency.MIRRORED, Residency.HOST))
 _ANNOUNCED_ON_HOST = frozenset(
     r.value for r in (Residency.MIRRORED, Residency.HOST, Residency.LOADING)
 )
@@ -446,6 +499,43 @@ def host_tier(snap: Snapshot) -> Problems:
                 f"host events replay to {sorted(replayed - announced)} extra / "
                 f"{sorted(announced - replayed)} missing host blocks"
             )
+    problems += _checkpoint_residency(snap)
+    return problems
+
+
+_CHECKPOINT_ON_DEVICE = frozenset(
+    r.value for r in (Residency.DEVICE, Residency.STORING, Residency.MIRRORED)
+)
+_CHECKPOINT_ON_HOST = frozenset(
+    r.value for r in (Residency.STORING, Residency.MIRRORED, Residency.HOST)
+)
+
+
+def _checkpoint_residency(snap: Snapshot) -> Problems:
+    """Part of 11 ([R53]-[R56]): a checkpoint's slots agree with its residency (it
+    never loads: a restore reads a host slot directly); a storing one is pinned by
+    its store copy; only a block-aligned one leaves the device; a host-only one
+    hangs on a device-resident anchor."""
+    problems: Problems = []
+    store_pins: Counter[int] = Counter()
+    for copy in snap["copies"].values():
+        if copy["kind"] == "store":
+            store_pins.update(copy["pins"])
+    for cid, ck in snap["checkpoints"].items():
+        residency = ck["residency"]
+        if (ck["slot"] is not None) != (residency in _CHECKPOINT_ON_DEVICE):
+            problems.append(f"checkpoint {cid}: {residency} but device slot {ck['slot']}")
+        if (ck["host_slot"] is not None) != (residency in _CHECKPOINT_ON_HOST):
+            problems.append(f"checkpoint {cid}: {residency} but host slot {ck['host_slot']}")
+        if (residency == Residency.STORING.value) != (store_pins[cid] > 0):
+            problems.append(
+                f"checkpoint {cid}: {residency}, pinned by {store_pins[cid]} store copies"
+            )
+        if residency != Residency.DEVICE.value and (ck["tail"] or ck["frozen_block"] is not None):
+            problems.append(f"checkpoint {cid}: a partial one is {residency} (device only)")
+        anchor = snap["nodes"].get(ck["anchor"])
+        if residency == Residency.HOST.value and (anchor is None or anchor["block"] is None):
+            problems.append(f"checkpoint {cid}: host-only on an anchor without a device block")
     return problems
 
 
@@ -463,6 +553,8 @@ def rollback(before: Snapshot, after: Snapshot) -> Problems:
         "free_host_blocks",
         "host_refcounts",
         "host_index",
+        "free_host_slots",
+        "host_checkpoint_index",
     )
     old: dict[str, object] = dict(before)
     new: dict[str, object] = dict(after)

@@ -235,7 +235,9 @@ RESIDENCY_TRANSITIONS: tuple[tuple[ResidencyTrigger, tuple[Residency, ...], Resi
 )
 """The KV residency lifecycle as `(trigger, sources, destination)`.
 
-`store` is queued when a block is committed (write-through); `offload` is
+A checkpoint's residency (`Checkpoint.residency`, with host checkpoint slots:
+[R53]-[R56]) follows the same table without `load`: a restore reads a host
+slot directly. `store` is queued when a block is committed (write-through); `offload` is
 device eviction of a mirrored block (only its device block is freed); `load`
 is `BlockTrie.load` taking a device block for a host-resident one; `adopt` is a
 commit that computed a host-resident block itself (its block becomes the

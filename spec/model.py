@@ -118,7 +118,7 @@ class _Checkpoint:
         step: int,
         tail: tuple[int, ...],
         tail_extra: Hashable,
-        slot: int,
+        slot: int | None,
         frozen_block: int | None,
         tick: int,
     ) -> None:
@@ -133,6 +133,8 @@ class _Checkpoint:
         self.present = True
         self.published = False
         self.withdrawn = False  # [R46]: its save copy failed
+        self.host_slot: int | None = None  # [R53]: its host slot, if it has one
+        self.residency = Residency.DEVICE.value  # `slot` is None once `host` ([R54])
 
 
 class ModelRestore:
@@ -313,12 +315,14 @@ class ReferenceCache:
         manual_copies: bool = True,
         num_host_blocks: int = 0,
         host_write: str = "through",
+        num_host_checkpoint_slots: int = 0,
     ) -> None:
         for name, value, low in (
             ("block_size", block_size, 1),
             ("num_blocks", num_blocks, 1),
             ("num_checkpoint_slots", num_checkpoint_slots, 0),
             ("num_host_blocks", num_host_blocks, 0),
+            ("num_host_checkpoint_slots", num_host_checkpoint_slots, 0),
         ):
             if not _is_int(value):
                 raise ConfigError(f"{name} must be an int, got {type(value).__name__}")
@@ -328,12 +332,15 @@ class ReferenceCache:
             raise ConfigError(f"host_write must be 'through' or 'back', got {host_write!r}")
         if host_write == "back" and num_checkpoint_slots:
             raise ConfigError("host_write='back' needs num_checkpoint_slots=0")
+        if num_host_checkpoint_slots and not num_checkpoint_slots:
+            raise ConfigError("num_host_checkpoint_slots needs num_checkpoint_slots > 0")
         if not isinstance(manual_copies, bool):
             raise ConfigError(f"manual_copies must be a bool, got {type(manual_copies).__name__}")
         self._B = block_size
         self._num_blocks = num_blocks
         self._num_slots = num_checkpoint_slots
         self._num_host = num_host_blocks
+        self._num_host_slots = num_host_checkpoint_slots
         self._write_back = num_host_blocks > 0 and host_write == "back"
         self._round: ModelCopy | None = None  # the write-back store being filled ([R52])
         self._manual = manual_copies
@@ -412,6 +419,10 @@ class ReferenceCache:
         used = {c.slot for c in self._live_checkpoints()}
         return [s for s in range(self._num_slots) if s not in used]
 
+    def _free_host_slot_list(self) -> list[int]:
+        used = {c.host_slot for c in self._live_checkpoints()}
+        return [s for s in range(self._num_host_slots) if s not in used]
+
     def _pin_count(self, c: _Checkpoint) -> int:
         n = sum(
             1
@@ -478,11 +489,14 @@ class ReferenceCache:
         ]
         return sorted(nodes, key=lambda n: (n.tick, n.serial))
 
-    def _checkpoint_index(self) -> list[_Checkpoint]:
+    def _checkpoint_index(self, host_only: bool = False) -> list[_Checkpoint]:
+        """[R24]: unpinned published checkpoints with a device slot (with
+        `host_only`, [R55]: the host-only ones), by (tick, serial)."""
         found = [
             c
             for c in self._live_checkpoints()
             if self._checkpoint_state(c) is CheckpointState.PUBLISHED
+            and (c.slot is None) == host_only
         ]
         return sorted(found, key=lambda c: (c.tick, c.serial))
 
@@ -619,16 +633,52 @@ class ReferenceCache:
         return freed + written, pending
 
     def _evict_checkpoints(self, n: int) -> int:
-        # [R24]: frozen blocks freed here are not counted in evicted_blocks.
+        """[R24]: free up to `n` device slots, LRU first; a mirrored checkpoint is
+        offloaded (kept, host-only: [R54]), any other evicted. Frozen blocks freed
+        here are not counted in evicted_blocks."""
         released = 0
         while released < n:
             index = self._checkpoint_index()
             if not index:
                 break
-            self._drop_checkpoint(index[0], CheckpointTrigger.EVICT)
+            c = index[0]
+            if c.residency == Residency.MIRRORED.value:
+                c.residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, c.residency)
+                c.slot = None
+                self._stats["checkpoints_offloaded"] += 1
+            else:
+                self._drop_checkpoint(c, CheckpointTrigger.EVICT)
+                self._stats["evicted_checkpoints"] += 1
             released += 1
-        self._stats["evicted_checkpoints"] += released
         return released
+
+    def _store_checkpoint(self, c: _Checkpoint) -> None:
+        """[R53]: write-through of a just-saved block-aligned checkpoint into a host
+        slot (free, or the LRU host-only checkpoint's: [R55]); none to be had: it
+        stays device-only."""
+        if not self._num_host_slots:
+            return
+        if not self._free_host_slot_list():
+            index = self._checkpoint_index(host_only=True)
+            if not index:
+                return
+            self._drop_checkpoint(index[0], CheckpointTrigger.EVICT)
+            self._stats["host_evicted_checkpoints"] += 1
+        c.host_slot = self._free_host_slot_list()[0]
+        c.residency = RESIDENCY.step(ResidencyTrigger.STORE, c.residency)
+        assert c.slot is not None
+        self._copy_counter += 1
+        cp = ModelCopy(
+            self,
+            self._copy_counter,
+            "store",
+            c.step,
+            [],
+            [c],  # the store pins it until reaped
+            frozenset({("slot", c.slot), ("host_slot", c.host_slot)}),
+        )
+        self._copies.append(cp)
+        self._settle(cp)
 
     def _make_room(self, short: int) -> int:
         """Free `short` blocks for an allocation: KV eviction first; when that runs
@@ -678,8 +728,14 @@ class ReferenceCache:
         seq.block_ids.extend(self._get_blocks(need))
 
     def _queue_copy(self, kind: str, checkpoint: _Checkpoint, seq_block: int | None) -> ModelCopy:
-        # [R35]: holds a reference on the sequence block d; [R36]: what it touches.
-        touches = {("slot", checkpoint.slot)}
+        # [R35]: holds a reference on the sequence block d; [R36]: what it touches
+        # (a host-only checkpoint's restore reads its host slot: [R56]).
+        touches: set[tuple[str, int]]
+        if checkpoint.slot is not None:
+            touches = {("slot", checkpoint.slot)}
+        else:
+            assert checkpoint.host_slot is not None  # host-only: [R54]
+            touches = {("host_slot", checkpoint.host_slot)}
         if checkpoint.frozen_block is not None:
             touches.add(("block", checkpoint.frozen_block))
         if seq_block is not None:
@@ -709,7 +765,15 @@ class ReferenceCache:
         self._stats["copies_reaped"] += 1
         if cp.failed:
             self._stats["copies_failed"] += 1
-        if cp.kind == "store":  # [R47]
+        if cp.kind == "store" and cp._pins:  # [R53]: a checkpoint's store
+            (c,) = cp._pins
+            if cp.failed:
+                c.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, c.residency)
+                c.host_slot = None
+            else:
+                c.residency = RESIDENCY.step(ResidencyTrigger.STORED, c.residency)
+                self._stats["checkpoints_stored"] += 1
+        elif cp.kind == "store":  # [R47]
             for node in cp._nodes:
                 if cp.failed:
                     node.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, node.residency)
@@ -1068,8 +1132,9 @@ class ReferenceCache:
             self._stats["checkpoints_skipped"] += 1
             return None
         reuse_frozen = old is not None and partial and old.frozen_block is not None
+        need_slot = old is None or old.slot is None  # none, or a host-only one ([R54])
         # [R30] feasibility first. [R28] (check) a slot: free, or the LRU published one's
-        if old is None and not self._free_slot_list() and not self._checkpoint_index():
+        if need_slot and not self._free_slot_list() and not self._checkpoint_index():
             self._stats["checkpoints_skipped"] += 1
             return None
         # [R29] (check, before [R28] evicts anything) a frozen block: free, or by making room
@@ -1078,17 +1143,19 @@ class ReferenceCache:
             return None
         # [R27] / [R28] take the slot
         frozen: int | None = None
-        if old is not None:
-            slot = old.slot
-            if reuse_frozen:
-                frozen = old.frozen_block
-            self._drop_checkpoint(old, CheckpointTrigger.REPLACE)
-        else:
+        slot: int | None = None
+        if need_slot:
             free_slots = self._free_slot_list()
             if not free_slots:
                 self._evict_checkpoints(1)
                 free_slots = self._free_slot_list()
             slot = free_slots[0]
+        if old is not None:
+            if not need_slot:
+                slot = old.slot
+            if reuse_frozen:
+                frozen = old.frozen_block
+            self._drop_checkpoint(old, CheckpointTrigger.REPLACE)
         # [R29] take the frozen block
         if partial and frozen is None:
             frozen = self._get_blocks(1)[0]
@@ -1102,6 +1169,8 @@ class ReferenceCache:
         c.published = True
         self._stats["checkpoints_saved"] += 1
         self._settle(cp)
+        if not partial:
+            self._store_checkpoint(c)
         return cp
 
     def restore(self, seq: ModelSequence) -> ModelCopy:
@@ -1221,8 +1290,8 @@ class ReferenceCache:
                 f"checkpoint #{c.serial}",
             )
             c.withdrawn = True
-            for other in self.pending():
-                if other.kind == "restore" and c in other._pins:
+            for other in self.pending():  # its restores, and its store ([R53]), read it
+                if other.kind != "save" and c in other._pins:
                     other.failed = True
 
     def _complete(self, copy: ModelCopy) -> None:
@@ -1253,6 +1322,10 @@ class ReferenceCache:
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_list())
+
+    @property
+    def num_free_host_checkpoint_slots(self) -> int:
+        return len(self._free_host_slot_list())
 
     @property
     def num_host_cached_blocks(self) -> int:
@@ -1291,6 +1364,8 @@ class ReferenceCache:
                 tail=c.tail,
                 tail_extra=c.tail_extra,
                 slot=c.slot,
+                host_slot=c.host_slot,
+                residency=c.residency,
                 frozen_block=c.frozen_block,
                 pins=self._pin_count(c),
                 state=self._checkpoint_state(c).value,
@@ -1349,4 +1424,8 @@ class ReferenceCache:
             host_refcounts=self._host_refcounts(),
             host_index=[n.serial for n in self._host_index()],
             event_host_blocks=None,
+            host_slot_capacity=self._num_host_slots,
+            free_host_slots=self._free_host_slot_list(),
+            host_checkpoint_index=[c.serial for c in self._checkpoint_index(host_only=True)],
+            event_host_checkpoint_slots=None,
         )

@@ -37,7 +37,9 @@ class CheckpointView(TypedDict):
     step: int
     tail: tuple[int, ...]
     tail_extra: Hashable
-    slot: int
+    slot: int | None  # its device slot (None: host-only)
+    host_slot: int | None  # its host slot (None: none)
+    residency: str  # `spec.lifecycle.Residency` value (device without a checkpoint host tier)
     frozen_block: int | None
     pins: int  # the stored pin count
     state: str  # stored lifecycle state
@@ -99,6 +101,10 @@ class Snapshot(TypedDict):
     host_refcounts: dict[int, int]  # every host block id -> its stored reference count
     host_index: list[int]  # node ids in the host eviction index, in eviction order
     event_host_blocks: set[int] | None  # host blocks cached according to the events
+    host_slot_capacity: int  # host checkpoint slots (0: no checkpoint host tier)
+    free_host_slots: list[int]
+    host_checkpoint_index: list[int]  # host-only checkpoint ids, in host eviction order
+    event_host_checkpoint_slots: set[int] | None  # host slots published according to events
 
 
 def node_path(snap: Snapshot, node_id: int) -> tuple[str, tuple[Any, ...]]:
@@ -117,7 +123,11 @@ def observe(snap: Snapshot) -> dict[str, Any]:
     nodes = snap["nodes"]
     named = {nid: node_path(snap, nid) for nid in nodes}
     checkpoints = {
-        (named[c["anchor"]], c["step"], c["tail"], c["tail_extra"]): (c["state"], c["pins"])
+        (named[c["anchor"]], c["step"], c["tail"], c["tail_extra"]): (
+            c["state"],
+            c["pins"],
+            c["residency"],
+        )
         for c in snap["checkpoints"].values()
     }
     return {
@@ -130,6 +140,11 @@ def observe(snap: Snapshot) -> dict[str, Any]:
         },
         "free_host_blocks": len(snap["free_host_blocks"]),
         "host_order": [named[nid] for nid in snap["host_index"]],
+        "free_host_slots": len(snap["free_host_slots"]),
+        "host_checkpoint_order": [
+            (named[snap["checkpoints"][c]["anchor"]], snap["checkpoints"][c]["step"])
+            for c in snap["host_checkpoint_index"]
+        ],
         "checkpoints": checkpoints,
         "evictable_order": [named[nid] for nid in snap["evictable_index"]],
         "checkpoint_order": [
@@ -178,5 +193,8 @@ STAT_COUNTERS: tuple[str, ...] = (
     "loaded_blocks",  # blocks a finished load copy brought back from the host tier
     "stored_blocks",  # blocks a finished store copy wrote to the host tier
     "host_evicted_blocks",  # host blocks freed by host eviction
+    "checkpoints_stored",  # checkpoints a finished store copy wrote to a host slot ([R53])
+    "checkpoints_offloaded",  # mirrored checkpoints that gave their device slot back ([R54])
+    "host_evicted_checkpoints",  # host-only checkpoints dropped for a host slot ([R55])
 )
 """The counters every implementation keeps, under these names, in `stats`."""

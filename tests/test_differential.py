@@ -91,6 +91,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         collide=st.booleans(),
         host=st.sampled_from([0, 0, 2, 6]),
         write_back=st.booleans(),
+        host_slots=st.sampled_from([0, 0, 1, 3]),
     )
     def setup(
         self,
@@ -100,13 +101,16 @@ class CacheVersusModel(RuleBasedStateMachine):
         collide: bool,
         host: int,
         write_back: bool,
+        host_slots: int,
     ) -> None:
         """`collide`: the cache hashes every block key to 0, so exact comparison alone
-        decides. `write_back` applies to attention-only runs with a host tier ([R52])."""
+        decides. `write_back` applies to attention-only runs with a host tier ([R52]);
+        `host_slots` (host checkpoint slots, [R53]) to SSM runs."""
         self.block_size = block_size
         self.ssm = slots > 0
         self.host = host > 0
         host_write = "back" if write_back and host and not slots else "through"
+        host_slots = host_slots if slots else 0
         self.manual = ManualCopies()
         self.cache = BlockTrie(
             CacheConfig(
@@ -122,6 +126,7 @@ class CacheVersusModel(RuleBasedStateMachine):
                 enable_events=True,  # so check() also replays them (invariant 10)
                 num_host_blocks=host,
                 host_write=host_write,
+                num_host_checkpoint_slots=host_slots,
             ),
             copies=self.manual,
         )
@@ -132,6 +137,7 @@ class CacheVersusModel(RuleBasedStateMachine):
             manual_copies=True,
             num_host_blocks=host,
             host_write=host_write,
+            num_host_checkpoint_slots=host_slots,
         )
         self.patterns = 0
         self.saved: dict[tuple[Any, ...], float] = {}
@@ -319,14 +325,19 @@ class CacheVersusModel(RuleBasedStateMachine):
     @rule(
         target=copies,
         seq=live,
-        where=st.sampled_from(["committed", "branch", "any"]),
+        where=st.sampled_from(["committed", "block", "branch", "any"]),
         fraction=FRACTION,
     )
     def save(self, seq: Pair, where: str, fraction: float) -> Any:
-        """Save where an engine would: the committed end, the branch point, or anywhere."""
+        """Save where an engine would: the committed end, its last block boundary (a
+        chunked prefill's; block-aligned checkpoints go to the host tier), the branch
+        point, or anywhere."""
         real_seq: Sequence = seq.real
         if where == "committed":
             step = max(1, real_seq.num_committed_tokens)
+        elif where == "block":
+            size = self.block_size
+            step = max(1, real_seq.num_committed_tokens // size * size)
         elif where == "branch":
             step = max(1, min(real_seq.branch_step, real_seq.num_committed_tokens))
         else:
@@ -488,6 +499,9 @@ class CacheVersusModel(RuleBasedStateMachine):
             assert impl.num_cached_blocks == 0
             assert impl.num_free_checkpoint_slots == slots
             assert impl.num_free_host_blocks == host
+            assert (
+                impl.num_free_host_checkpoint_slots == self.cache.config.num_host_checkpoint_slots
+            )
         self.cache.check()
 
     # --------------------------------------------------------- invariants
@@ -510,15 +524,24 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert self.cache.num_free_checkpoint_slots == self.model.num_free_checkpoint_slots
         assert self.cache.num_free_host_blocks == self.model.num_free_host_blocks
         assert self.cache.num_host_cached_blocks == self.model.num_host_cached_blocks
+        assert (
+            self.cache.num_free_host_checkpoint_slots == self.model.num_free_host_checkpoint_slots
+        )
 
     @invariant()
     def pinned_checkpoints_are_never_released_nor_their_slots_reused(self) -> None:
         snap = self.cache.snapshot()
-        owners: dict[int, int] = {ck["slot"]: cid for cid, ck in snap["checkpoints"].items()}
+        owners: dict[tuple[str, int | None], int] = {}
+        for cid, ck in snap["checkpoints"].items():
+            owners[("slot", ck["slot"])] = cid
+            owners[("host_slot", ck["host_slot"])] = cid
         for copy in snap["copies"].values():
             for cid in copy["pins"]:
                 assert cid in snap["checkpoints"], "a copy's checkpoint was released"
-                assert owners[snap["checkpoints"][cid]["slot"]] == cid, "its slot was reused"
+                ck = snap["checkpoints"][cid]
+                for tier in ("slot", "host_slot"):
+                    if ck[tier] is not None:  # type: ignore[literal-required]
+                        assert owners[(tier, ck[tier])] == cid, f"its {tier} was reused"  # type: ignore[literal-required]
 
 
 TestCacheVersusModel = CacheVersusModel.TestCase
@@ -529,6 +552,58 @@ TestCacheVersusModel.settings = settings(
     TestCacheVersusModel.settings,
     max_examples=max(TestCacheVersusModel.settings.max_examples, _FLOOR[0]),
     stateful_step_count=max(TestCacheVersusModel.settings.stateful_step_count, _FLOOR[1]),
+)
+
+
+class HostCheckpointsVersusModel(CacheVersusModel):
+    """The same machine, always SSM with host checkpoint slots ([R53]-[R56]): stores,
+    offloads, host evictions and restores from the host in any order."""
+
+    @initialize(
+        block_size=st.integers(2, 3),
+        num_blocks=st.integers(8, 16),
+        slots=st.sampled_from([1, 1, 2]),
+        collide=st.booleans(),
+        host=st.sampled_from([0, 2]),
+        write_back=st.just(False),
+        host_slots=st.sampled_from([1, 2, 3]),
+    )
+    def setup(
+        self,
+        block_size: int,
+        num_blocks: int,
+        slots: int,
+        collide: bool,
+        host: int,
+        write_back: bool,
+        host_slots: int,
+    ) -> None:
+        super().setup(block_size, num_blocks, slots, collide, host, write_back, host_slots)
+
+    @rule(target=CacheVersusModel.copies, tokens=TOKENS, namespace=NAMESPACES)
+    def prefill_with_a_checkpoint(self, tokens: list[int], namespace: str) -> Any:
+        """A chunked prefill: the whole prompt, a checkpoint at its last block
+        boundary (so one the host tier keeps), then the request finishes."""
+        pair = self.prefill(tokens, namespace, None)
+        copy = self.save(pair, "block", 0.0)
+        self.release(pair)
+        return copy
+
+    @rule(target=CacheVersusModel.copies, tokens=TOKENS, namespace=NAMESPACES)
+    def match_and_restore(self, tokens: list[int], namespace: str) -> Any:
+        """A request that hits a checkpoint restores it at once (from the host slot
+        when it is host-only: [R56]) and stays live."""
+        pair = self.match(tokens, namespace, None)
+        if pair.real.restore is None:
+            return multiple()
+        return self.restore(pair)
+
+
+TestHostCheckpointsVersusModel = HostCheckpointsVersusModel.TestCase
+TestHostCheckpointsVersusModel.settings = settings(
+    TestHostCheckpointsVersusModel.settings,
+    max_examples=max(TestHostCheckpointsVersusModel.settings.max_examples, _FLOOR[0] // 2),
+    stateful_step_count=max(TestHostCheckpointsVersusModel.settings.stateful_step_count, _FLOOR[1]),
 )
 
 
