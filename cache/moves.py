@@ -15,7 +15,9 @@ and `release()` (drop the temporaries its last `run` made).
   - same device: each destination run is one slice ``copy_`` (when its source
     blocks are consecutive too) or one ``index_select(..., out=dst[run])``; more
     than `MAX_RUN_OPS` runs become one ``index_select`` into a temporary plus
-    one ``index_copy_``;
+    one ``index_copy_`` -- except on the CPU when the runs consecutive on both
+    sides average at least `SPLIT_RUN_BYTES`: then one slice ``copy_`` each (a
+    memcpy per run beats two passes over the bytes there);
   - device -> host (a store on CUDA): one ``index_select`` on the device into a
     contiguous temporary (a slice when the source blocks are consecutive), then
     one ``copy_(non_blocking=True)`` per destination run straight into the
@@ -45,6 +47,13 @@ import torch
 MAX_RUN_OPS = 4
 """A same-device `BlockMove` does one operation per destination run up to this many
 runs; beyond, one gather into a temporary and one scatter."""
+
+SPLIT_RUN_BYTES = 24 * 1024
+"""On the CPU, runs (consecutive on both sides) averaging at least this many bytes are
+copied one slice ``copy_`` each rather than gathered and scattered: measured with
+torch 2.13 on one core, the gather + scatter of scattered blocks costs 0.2x the
+per-block ``copy_`` loop at 2 KiB blocks, 0.5x at 8 KiB, 0.85x at 16 KiB and over
+1.3x from 32 KiB (two passes over the bytes against one memcpy)."""
 
 
 class Move(Protocol):
@@ -171,6 +180,13 @@ class BlockMove:
                 else:
                     torch.index_select(src, 0, self._index(seg, src.device), out=out)
             return
+        if src.device.type == "cpu":
+            common = _common_runs(d_ids, s_ids)
+            if len(d_ids) * src[0].nbytes >= SPLIT_RUN_BYTES * len(common):
+                for pos, length in common:
+                    d, s = d_ids[pos], s_ids[pos]
+                    dst[d : d + length].copy_(src[s : s + length])
+                return
         values = self._gather(src, s_ids)
         dst.index_copy_(0, self._index(d_ids, dst.device), values)
 
@@ -248,6 +264,18 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
             start = i
         prev = cur
     runs.append((start, len(ids) - start))
+    return runs
+
+
+def _common_runs(d_ids: list[int], s_ids: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of pairs consecutive on both sides, as (position, length)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(d_ids)):
+        if d_ids[i] != d_ids[i - 1] + 1 or s_ids[i] != s_ids[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    runs.append((start, len(d_ids) - start))
     return runs
 
 

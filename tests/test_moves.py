@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache.copies import BlockMove, Copy, DeviceCopies, ManualCopies, TensorMove, block_moves
-from cache.moves import MAX_RUN_OPS, _runs, _words
+from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, _common_runs, _runs, _words
 
 
 def pool(
@@ -72,7 +72,13 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     ("shape", "dtype"),
-    [((4, 3), torch.float16), ((3,), torch.float16), ((2, 2), torch.float64), ((5,), torch.uint8)],
+    [
+        ((4, 3), torch.float16),
+        ((3,), torch.float16),
+        ((2, 2), torch.float64),
+        ((5,), torch.uint8),
+        ((SPLIT_RUN_BYTES // 2,), torch.float16),  # big blocks: split into runs on the CPU
+    ],
 )
 def test_every_layout_moves_the_bits_a_per_block_copy_would(
     layout: str, shape: tuple[int, ...], dtype: torch.dtype
@@ -141,6 +147,12 @@ def test_runs_and_the_paths_they_choose(monkeypatch: pytest.MonkeyPatch) -> None
     calls.clear()
     check(many[::-1], many)
     assert calls == ["index_select", "index_copy_"]
+    calls.clear()
+    check(many[::-1], many, shape=(SPLIT_RUN_BYTES // 2,))  # big blocks: a copy_ per run
+    assert calls == []
+    check(many[::-1], many, shape=(SPLIT_RUN_BYTES // 2 - 8,))  # just below: gathered
+    assert calls == ["index_select", "index_copy_"]
+    assert _common_runs([1, 2, 3, 5, 6], [7, 8, 2, 3, 4]) == [(0, 2), (2, 1), (3, 2)]
 
 
 def test_temporaries_are_kept_until_released() -> None:
