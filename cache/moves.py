@@ -35,7 +35,8 @@ and `release()` (drop the temporaries its last `run` made).
   must hold their data then, which the host tier guarantees (a block is
   loadable only after its store is reaped). Blocks are reinterpreted as 8-byte
   words when their size allows (fewer, wider elements for the index kernels;
-  the bytes are copied exactly). Pairs must not repeat a destination block.
+  the bytes are copied exactly). Pairs must not repeat a destination block,
+  and `src` and `dst` must be different tensors (two pools).
 """
 
 from __future__ import annotations
