@@ -16,7 +16,11 @@ when queued). Two kinds of move:
 - `DeviceCopies` (the default): on CPU a copy runs when queued; on CUDA it is
   queued on a side stream that first waits for the current stream, an event is
   recorded after it, and it finishes when that event has (polled with
-  `Event.query`, never a device synchronisation).
+  `Event.query`, never a device synchronisation). The temporaries a gathered
+  move makes (index tensors, gathered blocks, page-locked staging) are made on
+  the side stream and stay referenced by the move until that event has fired
+  or the copy is reaped; freed earlier (a copy that failed) they are still
+  safe: the caching allocators reuse them only in stream order.
 - `ManualCopies`: for tests. A queued copy moves its data only when the test
   completes it, as a late GPU copy would. Completing a copy first completes
   every earlier pending copy that touches one of its blocks or slots (a stream
