@@ -23,18 +23,28 @@ baseline measured in the same run, interleaved round by round.
   (the store copy: timed ``commit`` + ``poll``), evicts them from the device
   (offloaded, untimed), matches them again and loads them back (timed ``load``
   + ``wait`` + ``poll``), after checking the loaded blocks hold exactly what
-  was stored. Against, in the same round: a plain ``copy_`` per block between
-  the pool and a CPU tensor (what the store and load copies do, one move per
-  block), and one ``copy_`` of all the blocks at once. Bandwidth = bytes /
-  best time over rounds; issue 10's goal is >= 0.9x of plain ``copy_``. On
-  CUDA the host buffer is pinned and every timing ends with a synchronize.
+  was stored. Against, in the same round and on the same blocks (the ids the
+  round's copies used) between the pool and a CPU tensor: the gathered move
+  alone (`cache.moves.BlockMove`, the copy without the API's bookkeeping), a
+  hand-written ``copy_`` per block (what the copies did before they were
+  gathered), a hand-written ``index_select`` + ``index_copy_``, and one
+  contiguous ``copy_`` of the same bytes (the upper bound). Two layouts:
+  ``fresh`` (a new trie's blocks, consecutive on both tiers: one run) and
+  ``scattered`` (both free lists shuffled before each round). Bandwidth =
+  bytes / best time over rounds; each ratio also as the median of the rounds'
+  ratios. Issue 10's goal is >= 0.9x of plain ``copy_``. On CUDA the host
+  buffer is pinned and every timing ends with a synchronize. ``--threads 1``
+  keeps torch's intra-op pool out of the figures on a shared machine (its
+  threads wait for busy cores: whole-tensor ops suffer, per-block ones do not).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -135,6 +145,18 @@ def bench_loop(
 # --------------------------------------------------------------------------
 # copy: store and load bandwidth vs a plain copy_
 
+LAYOUTS = ("fresh", "scattered")
+"""``fresh``: the blocks a new trie hands out (consecutive on both tiers); ``scattered``:
+both free lists shuffled before each round (seeded), so a copy's blocks are scattered."""
+
+
+def _shuffle_free_lists(trie: Any, seed: int) -> None:
+    """Permute the device and host free lists (same free blocks, another order): the next
+    allocations are scattered over the pools. A benchmark-only reach into the pools."""
+    rng = random.Random(seed)
+    for pool in (trie._kv, trie._host.pool):
+        rng.shuffle(pool._free)
+
 
 def bench_copy(
     blocks: int = 2048,
@@ -143,21 +165,30 @@ def bench_copy(
     device: str | torch.device = "cpu",
     repeat: int = 5,
     block_size: int = 16,
+    layout: str = "fresh",
 ) -> dict[str, Any]:
     """The **copy** measurements (module docstring): bytes per second of the host tier's
-    store and load copies through the public API, and of plain ``copy_`` of the same
-    bytes, per block and all at once; ratios of the API to each."""
+    store and load copies through the public API, of the gathered move alone, and of
+    hand-written copies of the same blocks (a ``copy_`` per block, a gathered
+    ``index_select`` + ``index_copy_``, one contiguous ``copy_``); ratios of the API
+    to each (best over rounds, and the median of the rounds' ratios)."""
     from cache import BlockTrie, CacheConfig
+    from cache.moves import BlockMove
 
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     dev = torch.device(device)
+    scattered = layout == "scattered"
+    n_device = 2 * blocks + 1 if scattered else blocks + 1  # + the prompt's partial block
+    n_host = 2 * blocks if scattered else blocks
     config = CacheConfig(
         block_size=block_size,
-        num_blocks=blocks + 1,  # the prompt's partial last block
-        num_host_blocks=blocks,
+        num_blocks=n_device,
+        num_host_blocks=n_host,
         kv_block_shape=block_shape,
         kv_dtype=dtype,
         device=dev,
@@ -170,8 +201,11 @@ def bench_copy(
     gen = torch.Generator().manual_seed(0)
     data = torch.randn((blocks, *block_shape), generator=gen).to(dtype=dtype, device=dev)
     pinned = dev.type == "cuda"
-    host_buf = torch.empty((blocks, *block_shape), dtype=dtype, pin_memory=pinned)
+    host_buf = torch.empty((n_host, *block_shape), dtype=dtype, pin_memory=pinned)
     tokens = list(range(1, blocks * block_size + 2))
+    # The blocks the last API round used: (device ids, host ids), pair by pair.
+    ids: dict[str, list[int]] = {"device": list(range(blocks)), "host": list(range(blocks))}
+    rounds = [0]
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -179,10 +213,13 @@ def bench_copy(
 
     def round_trip() -> tuple[float, float]:
         """Store `blocks` blocks, offload them, load them back; (store s, load s)."""
+        rounds[0] += 1
+        if scattered:
+            _shuffle_free_lists(trie, rounds[0])
         seq = trie.match(tokens)
         trie.allocate(seq, len(tokens))
-        ids = torch.tensor(seq.block_ids[:blocks], device=dev)
-        pool[ids] = data
+        device_ids = list(seq.block_ids[:blocks])
+        pool[torch.tensor(device_ids, device=dev)] = data
         stored = trie.stats.stored_blocks
         sync()
         t0 = perf()
@@ -191,6 +228,12 @@ def bench_copy(
         trie.poll()
         store = perf() - t0
         trie.release(seq)
+        host_of: dict[int, int] = {
+            n["block"]: n["block_host"]
+            for n in trie.snapshot()["nodes"].values()
+            if n["block"] is not None and n["block_host"] is not None
+        }
+        ids["device"], ids["host"] = device_ids, [host_of[b] for b in device_ids]
         if trie.stats.stored_blocks - stored != blocks or trie.evict(blocks) != blocks:
             raise RuntimeError("the store copy did not finish, or the blocks did not offload")
         pool.zero_()  # the device copies are gone: only a load can bring the bytes back
@@ -213,41 +256,76 @@ def bench_copy(
         return store, load
 
     def plain_blocks() -> tuple[float, float]:
+        """A hand-written ``copy_`` per block, the same blocks (today's baseline)."""
+        pairs = list(zip(ids["device"], ids["host"], strict=True))
         sync()
         t0 = perf()
-        for i in range(blocks):
-            host_buf[i].copy_(pool[i], non_blocking=pinned)
+        for d, h in pairs:
+            host_buf[h].copy_(pool[d], non_blocking=pinned)
         sync()
         t1 = perf()
-        for i in range(blocks):
-            pool[i].copy_(host_buf[i], non_blocking=pinned)
+        for d, h in pairs:
+            pool[d].copy_(host_buf[h], non_blocking=pinned)
         sync()
         return t1 - t0, perf() - t1
 
-    def plain_whole() -> tuple[float, float]:
+    def gathered() -> tuple[float, float]:
+        """A hand-written ``index_select`` + ``index_copy_`` of the same blocks."""
         sync()
         t0 = perf()
-        host_buf.copy_(pool[:blocks], non_blocking=pinned)
+        src = torch.tensor(ids["device"], device=dev)
+        values = pool.index_select(0, src).to("cpu", non_blocking=pinned)
+        sync()
+        host_buf.index_copy_(0, torch.tensor(ids["host"]), values)
+        t1 = perf()
+        values = host_buf.index_select(0, torch.tensor(ids["host"]))
+        values = values.to(dev, non_blocking=pinned)
+        pool.index_copy_(0, torch.tensor(ids["device"], device=dev), values)
+        sync()
+        return t1 - t0, perf() - t1
+
+    def moves() -> tuple[float, float]:
+        """The trie's gathered move (`BlockMove`) alone, the same blocks: the copy without
+        the API's bookkeeping (no side stream on CUDA: timed to a synchronize)."""
+        sync()
+        t0 = perf()
+        with torch.no_grad():
+            store = BlockMove(pool, ids["device"], host_buf, ids["host"])
+            store.run()
+            sync()
+            store.release()
+            t1 = perf()
+            load = BlockMove(host_buf, ids["host"], pool, ids["device"])
+            load.run()
+            sync()
+            load.release()
+        return t1 - t0, perf() - t1
+
+    def plain_whole() -> tuple[float, float]:
+        """One contiguous ``copy_`` of the same bytes (the upper bound)."""
+        sync()
+        t0 = perf()
+        host_buf[:blocks].copy_(pool[:blocks], non_blocking=pinned)
         sync()
         t1 = perf()
-        pool[:blocks].copy_(host_buf, non_blocking=pinned)
+        pool[:blocks].copy_(host_buf[:blocks], non_blocking=pinned)
         sync()
         return t1 - t0, perf() - t1
 
     runs: dict[str, Callable[[], tuple[float, float]]] = {
         "api": round_trip,
+        "move": moves,
         "plain_blocks": plain_blocks,
+        "gathered": gathered,
         "plain_whole": plain_whole,
     }
     for fn in runs.values():  # warm up: first-touch page faults are not copies
         fn()
-    best = {name: [float("inf"), float("inf")] for name in runs}
-    for _ in range(repeat):  # interleaved, best of N
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for _ in range(repeat):  # interleaved: every variant runs once per round
         for name, fn in runs.items():
             gc.collect()
-            store, load = fn()
-            best[name][0] = min(best[name][0], store)
-            best[name][1] = min(best[name][1], load)
+            times[name].append(fn())
     out: dict[str, Any] = {
         "blocks": blocks,
         "block_shape": list(block_shape),
@@ -257,19 +335,36 @@ def bench_copy(
         "device": str(dev),
         "pinned": pinned,
         "repeat": repeat,
+        "layout": layout,
+        "threads": torch.get_num_threads(),
+        "device_runs": _count_runs(ids["device"]),
+        "host_runs": _count_runs(ids["host"]),
     }
     for i, direction in enumerate(("store", "load")):
-        api = nbytes / best["api"][i]
-        per_block = nbytes / best["plain_blocks"][i]
-        whole = nbytes / best["plain_whole"][i]
-        out[direction] = {
-            "bytes_per_s": api,
-            "plain_blocks_bytes_per_s": per_block,
-            "plain_whole_bytes_per_s": whole,
-            "vs_plain_blocks": api / per_block,
-            "vs_plain_whole": api / whole,
-        }
+        best = {name: nbytes / min(t[i] for t in ts) for name, ts in times.items()}
+        api = best["api"]
+        d: dict[str, Any] = {"bytes_per_s": api}
+        for name, key in (
+            ("move", "move"),
+            ("plain_blocks", "plain_blocks"),
+            ("gathered", "gathered"),
+            ("plain_whole", "plain_whole"),
+        ):
+            d[f"{key}_bytes_per_s"] = best[name]
+            d[f"vs_{key}"] = api / best[name]
+            ratios = [b[i] / a[i] for a, b in zip(times["api"], times[name], strict=True)]
+            d[f"vs_{key}_median"] = statistics.median(ratios)
+            d[f"vs_{key}_range"] = [min(ratios), max(ratios)]
+        d["move_vs_plain_blocks"] = best["move"] / best["plain_blocks"]
+        d["move_vs_plain_whole"] = best["move"] / best["plain_whole"]
+        out[direction] = d
     return out
+
+
+def _count_runs(ids: list[int]) -> int:
+    """How many runs of consecutive blocks `ids` (non-empty) fall into."""
+    s = sorted(ids)
+    return 1 + sum(b != a + 1 for a, b in itertools.pairwise(s))
 
 
 # --------------------------------------------------------------------------
@@ -282,21 +377,35 @@ def bench_host(
     device: str | torch.device = "cpu",
     repeat: int = 5,
     seed: int = 0,
+    layouts: tuple[str, ...] = LAYOUTS,
+    loop: bool = True,
 ) -> dict[str, Any]:
-    """Both measurements: ``{"loop": bench_loop(...), "copy": bench_copy(...)}``."""
-    return {
-        "loop": bench_loop(users=users, repeat=repeat, seed=seed),
-        "copy": bench_copy(blocks=blocks, block_shape=block_shape, device=device, repeat=repeat),
-    }
+    """The measurements: ``{"loop": bench_loop(...), "copy": bench_copy(...)}`` and, for
+    each further layout in `layouts`, ``"copy_<layout>"`` (``copy`` is the first
+    layout's). `loop=False` skips the request loop."""
+    out: dict[str, Any] = {}
+    if loop:
+        out["loop"] = bench_loop(users=users, repeat=repeat, seed=seed)
+    for i, layout in enumerate(layouts):
+        out["copy" if i == 0 else f"copy_{layout}"] = bench_copy(
+            blocks=blocks, block_shape=block_shape, device=device, repeat=repeat, layout=layout
+        )
+    return out
 
 
 def _gib(bps: float) -> str:
-    return f"{bps / 2**30:7.2f} GiB/s"
+    return f"{bps / 2**30:6.2f} GiB/s"
 
 
 def print_host(r: dict[str, Any], emit: Callable[[str], object] = print) -> None:
     """Human-readable summary of `bench_host`'s result."""
-    loop = r["loop"]
+    if "loop" in r:
+        _print_loop(r["loop"], emit)
+    for key in sorted(k for k in r if k.startswith("copy")):
+        _print_copy(r[key], emit)
+
+
+def _print_loop(loop: dict[str, Any], emit: Callable[[str], object]) -> None:
     emit(
         f"host tier, request loop: {loop['workload']}; {loop['blocks']:,} prompt+decode "
         f"blocks; median of {loop['repeat']} interleaved rounds"
@@ -317,20 +426,33 @@ def print_host(r: dict[str, Any], emit: Callable[[str], object] = print) -> None
         f"  host tier on / off, never touching the host: {loop['no_host']['ratio']:.2f}x "
         "(goal <= 1.3x)"
     )
-    cp = r["copy"]
+
+
+def _print_copy(cp: dict[str, Any], emit: Callable[[str], object]) -> None:
     emit(
-        f"host tier, copies: {cp['blocks']:,} blocks of {'x'.join(map(str, cp['block_shape']))} "
-        f"{cp['dtype']} ({cp['block_bytes'] / 1024:g} KiB each, {cp['bytes'] / 2**20:.0f} MiB), "
-        f"device {cp['device']}{' (pinned host buffer)' if cp['pinned'] else ''}; "
-        f"best of {cp['repeat']}"
+        f"host tier, copies ({cp.get('layout', 'fresh')} blocks: {cp.get('device_runs', '?')} "
+        f"device / {cp.get('host_runs', '?')} host runs): {cp['blocks']:,} blocks of "
+        f"{'x'.join(map(str, cp['block_shape']))} {cp['dtype']} ({cp['block_bytes'] / 1024:g} "
+        f"KiB each, {cp['bytes'] / 2**20:.0f} MiB), device {cp['device']}"
+        f"{' (pinned host buffer)' if cp['pinned'] else ''}, {cp.get('threads', '?')} "
+        f"thread(s); best of {cp['repeat']} interleaved rounds (median ratio in brackets)"
     )
     for direction, api in (("store", "commit + poll"), ("load", "load + wait + poll")):
         d = cp[direction]
         emit(
-            f"  {direction:<5} ({api:<18}) {_gib(d['bytes_per_s'])}   plain copy_ per block "
-            f"{_gib(d['plain_blocks_bytes_per_s'])} ({d['vs_plain_blocks']:.2f}x)   all at "
-            f"once {_gib(d['plain_whole_bytes_per_s'])} ({d['vs_plain_whole']:.2f}x)"
+            f"  {direction:<5} API ({api}) {_gib(d['bytes_per_s'])}; the gathered move "
+            f"alone {_gib(d['move_bytes_per_s'])}"
         )
+        for key, what in (
+            ("plain_blocks", "copy_ per block"),
+            ("gathered", "index_select + index_copy_"),
+            ("plain_whole", "one contiguous copy_"),
+        ):
+            emit(
+                f"        vs {what:<27} {_gib(d[f'{key}_bytes_per_s'])}: API "
+                f"{d[f'vs_{key}']:.2f}x [{d[f'vs_{key}_median']:.2f}x], move "
+                f"{d['move_bytes_per_s'] / d[f'{key}_bytes_per_s']:.2f}x"
+            )
     emit("  goal: >= 0.9x of plain copy_")
 
 
@@ -345,9 +467,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-shape", type=_shape, default=DEFAULT_BLOCK_SHAPE)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help=f"copy: comma-separated block layouts, of {', '.join(LAYOUTS)}",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--copy-only", action="store_true", help="skip the request loop")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
-    r = bench_host(a.users, a.blocks, a.block_shape, a.device, a.repeat)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    layouts = tuple(x.strip() for x in a.layouts.split(",") if x.strip())
+    r = bench_host(
+        a.users, a.blocks, a.block_shape, a.device, a.repeat, layouts=layouts, loop=not a.copy_only
+    )
     print_host(r)
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))

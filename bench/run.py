@@ -26,8 +26,10 @@ on request:
 - **host**: the host-memory tier (`bench.host`): the request loop's cost per
   block with the host tier on vs off in the same run (a workload that never
   reads the host, goal <= 1.3x, and one that evicts to it and loads back), and
-  its store / load copy bandwidth against a plain ``copy_`` of the same bytes
-  (goal >= 0.9x; ``--device cuda`` when there is one).
+  its store / load copy bandwidth against a ``copy_`` per block, a hand-written
+  ``index_select`` + ``index_copy_`` and one contiguous ``copy_`` of the same
+  blocks, consecutive and scattered (goal >= 0.9x; ``--device cuda`` when there
+  is one).
 - **soak**: `bench.soak.run_soak`: millions of random operations with
   ``ManualCopies`` completing in random order, ``check()`` every N steps;
   steps/s, memory at start and end, failures (``--soak-steps``).

@@ -1,14 +1,26 @@
-"""The copy engine: checkpoint save / restore copies and when they finish.
+"""The copy engine: checkpoint save / restore copies, the host tier's store / load
+copies, and when they finish.
 
-A `Copy` is a list of tensor moves (source -> destination) plus what keeps its
-source and destination alive: pin receipts on checkpoints and references on KV
-blocks. The trie releases those only when the copy has finished and is reaped
-(`BlockTrie.poll`, or at once for a copy that finished when queued).
+A `Copy` is a list of moves (each a `Move`: something with `run()`) plus what
+keeps its source and destination alive: pin receipts on checkpoints and
+references on KV blocks. The trie releases those only when the copy has
+finished and is reaped (`BlockTrie.poll`, or at once for a copy that finished
+when queued). Two kinds of move:
+
+- `TensorMove(src, dst)`: one `dst.copy_(src)` (a checkpoint's runtime state to
+  or from its slot, a partial block to or from the frozen tail);
+- `BlockMove(src, src_ids, dst, dst_ids)`: many KV blocks between two pools
+  (the host tier's store and load copies) as a few gathered operations, not
+  one `copy_` per block (see `BlockMove`; built by `block_moves`).
 
 - `DeviceCopies` (the default): on CPU a copy runs when queued; on CUDA it is
   queued on a side stream that first waits for the current stream, an event is
   recorded after it, and it finishes when that event has (polled with
-  `Event.query`, never a device synchronisation).
+  `Event.query`, never a device synchronisation). The temporaries a gathered
+  move makes (index tensors, gathered blocks, page-locked staging) are made on
+  the side stream and stay referenced by the move until that event has fired
+  or the copy is reaped; freed earlier (a copy that failed) they are still
+  safe: the caching allocators reuse them only in stream order.
 - `ManualCopies`: for tests. A queued copy moves its data only when the test
   completes it, as a late GPU copy would. Completing a copy first completes
   every earlier pending copy that touches one of its blocks or slots (a stream
@@ -22,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cache.moves import BlockMove, Move, TensorMove, block_moves
 from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
 from spec.lifecycle import COPY, CopyKind, CopyState, CopyTrigger
 
@@ -31,6 +44,18 @@ _LOAD = CopyKind.LOAD.value
 if TYPE_CHECKING:
     from cache.node import Node
     from cache.sequence import PinReceipt
+
+__all__ = [
+    "BlockMove",
+    "Copy",
+    "CopyEngine",
+    "DeviceCopies",
+    "ManualCopies",
+    "Move",
+    "Resource",
+    "TensorMove",
+    "block_moves",
+]
 
 Resource = tuple[str, int]
 """("block", id), ("host_block", id), ("slot", id) or ("host_slot", id): what a copy touches,
@@ -69,18 +94,21 @@ class Copy:
         self,
         kind: str,
         step: int,
-        moves: list[tuple[torch.Tensor, torch.Tensor]],
+        moves: list[Move],
         resources: Iterable[Resource],
         serial: int,
     ) -> None:
-        """A copy of `moves` (source, destination) touching `resources`; built by
-        the trie (`cache.transfers`), not by users."""
+        """A copy of `moves` touching `resources`; built by the trie
+        (`cache.transfers`, `cache.host_tier`), not by users."""
         self.kind = kind
         """"save", "restore", "store" or "load"."""
         self.step = step
         """The checkpoint's step (tokens of state it carries)."""
         self.moves = moves
-        """The tensor moves, (source, destination), in order."""
+        """The moves, run in order (`cache.moves`): a `TensorMove` (unpacks as
+        ``(src, dst)``) per checkpoint tensor and for the frozen tail; one `BlockMove`
+        (pool tensors `src` / `dst`, block lists `src_ids` / `dst_ids`) for all the
+        blocks of a store or load. Empty for ids-only pools."""
         self.resources = frozenset(resources)
         """The blocks and slots it touches: copies sharing one run in queue order."""
         self.serial = serial
@@ -107,11 +135,21 @@ class Copy:
         """Whether the copy is no longer queued (its data moved, or it failed)."""
         if self.state == _QUEUED and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
             self.fire(CopyTrigger.FINISH)
+            self._drop_temporaries()
         return self.state != _QUEUED
 
     def fire(self, trigger: CopyTrigger) -> None:
         """Move to the next state through the spec's `COPY` table (illegal ones raise)."""
         self.state = COPY.step(trigger, self.state, self)
+        if trigger is CopyTrigger.REAP:
+            self._drop_temporaries()
+
+    def _drop_temporaries(self) -> None:
+        """Let the moves drop the temporaries of their last run. The engine calls it once
+        the data has arrived (or never will): when the copy ran synchronously, when its
+        CUDA event fired, and when it is reaped."""
+        for move in self.moves:
+            move.release()
 
     def wait(self) -> None:
         """Order the caller's later work after this copy (see class docstring).
@@ -143,8 +181,8 @@ class Copy:
         if not self.moves:  # ids-only pools: nothing to move
             return
         with torch.no_grad():
-            for src, dst in self.moves:
-                dst.copy_(src, non_blocking=True)
+            for move in self.moves:
+                move.run()
 
     def __repr__(self) -> str:
         return f"<Copy #{self.serial} {self.kind} step={self.step} {self.state}>"
@@ -241,16 +279,21 @@ class DeviceCopies(CopyEngine):
     def _start(self, copy: Copy) -> None:
         stream = self._stream
         if stream is None:
-            copy.run()
+            try:
+                copy.run()
+            finally:
+                copy._drop_temporaries()
             copy.fire(CopyTrigger.FINISH)
             return
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             copy.run()
-            for src, dst in copy.moves:
+            for move in copy.moves:
                 # The engine's runtime tensors are used on our stream too: the
                 # caching allocator must not hand their memory out before we finish.
-                for tensor in (src, dst):
+                # (A move's temporaries are made on this stream and kept by the
+                # move until the event below fires: `Copy.done` releases them.)
+                for tensor in move.tensors():
                     if tensor.is_cuda:
                         tensor.record_stream(stream)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -261,7 +304,7 @@ class DeviceCopies(CopyEngine):
         event = copy._event
         if event is None:
             return
-        if copy.kind != _LOAD and any(not t.is_cuda for move in copy.moves for t in move):
+        if copy.kind != _LOAD and any(not t.is_cuda for move in copy.moves for t in move.tensors()):
             # A host tensor is read or written: the host itself must wait. (A load
             # reads the host tier only, which nothing but stream-ordered copies
             # write: the device stream waiting is enough.)
@@ -310,6 +353,8 @@ class ManualCopies(CopyEngine):
         except BaseException:
             copy._fail()  # its data is partial: it never delivers
             raise
+        finally:
+            copy._drop_temporaries()  # ran on the current stream: what follows is ordered after it
         copy.fire(CopyTrigger.FINISH)
 
     def complete_all(self) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache.copies import Copy, Resource
+from cache.copies import Copy, Resource, block_moves
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
@@ -202,10 +202,9 @@ class HostTier:
         becomes `storing`; the copy holds a reference on both blocks of each
         until it is reaped.
         """
-        moves = []
-        if self._kv.tensor is not None and self.pool.tensor is not None:
-            kv, host = self._kv.tensor, self.pool.tensor
-            moves = [(kv[node.block], host[node.host]) for node in nodes]
+        moves = block_moves(
+            self._kv.tensor, [n.block for n in nodes], self.pool.tensor, [n.host for n in nodes]
+        )
         resources: list[Resource] = [("block", node.block) for node in nodes]
         resources += [("host_block", node.host) for node in nodes]
         return Copy(_STORE, 0, moves, resources, 0)
@@ -252,12 +251,11 @@ class HostTier:
     def load_moves(self, nodes: list[Node], waits_on: list[int]) -> Copy:
         """The load copy for `nodes` (host -> their new device blocks), ordered after
         the copies loading the device blocks `waits_on`."""
-        moves = []
+        moves = block_moves(
+            self.pool.tensor, [n.host for n in nodes], self._kv.tensor, [n.block for n in nodes]
+        )
         resources: list[Resource] = [("block", b) for b in waits_on]
         for node in nodes:
-            src, dst = self.pool.view(node.host), self._kv.view(node.block)
-            if src is not None and dst is not None:
-                moves.append((src, dst))
             resources += [("block", node.block), ("host_block", node.host)]
         return Copy(CopyKind.LOAD.value, 0, moves, resources, 0)
 

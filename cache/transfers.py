@@ -5,7 +5,9 @@ reap the host tier's store and load copies.
 is the only place a copy's pins and block references are released ([R35]):
 when the copy is reaped, never before. One builder serves both directions:
 a save copies runtime state into a checkpoint slot (and the sequence's
-partial block into the frozen tail), a restore the other way.
+partial block into the frozen tail), a restore the other way, one `TensorMove`
+per tensor (nothing to gather). The host tier builds its store and load copies
+itself, one gathered `BlockMove` each (`cache.moves`).
 
 Launching is transactional ([R38]): if queuing a copy raises (a copy that runs
 at once failed, or an interrupt — any `BaseException` — arrived inside it),
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache.checkpoints import CheckpointStore
-from cache.copies import Copy, CopyEngine, Resource
+from cache.copies import Copy, CopyEngine, Move, Resource, TensorMove
 from cache.eviction import Evictor
 from cache.kv_pool import KVBlockPool
 from cache.state_pool import CheckpointSlotPool
@@ -112,15 +114,16 @@ class Transfers:
         if from_host:
             pool = self._checkpoints._host_pool()
             resources = [("host_slot", slot)]
-        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        moves: list[Move] = []
         for name, view in pool.views(slot).items():
-            moves.append((runtime[name], view) if into_checkpoint else (view, runtime[name]))
+            state = runtime[name]
+            moves.append(TensorMove(state, view) if into_checkpoint else TensorMove(view, state))
         if frozen_block is not None:
             src, dst = (seq_block, frozen_block) if into_checkpoint else (frozen_block, seq_block)
             resources += [("block", src), ("block", dst)]
             src_view, dst_view = self._kv.view(src), self._kv.view(dst)
             if src_view is not None and dst_view is not None:
-                moves.append((src_view, dst_view))
+                moves.append(TensorMove(src_view, dst_view))
         self._serial += 1
         copy = Copy(kind, step, moves, resources, self._serial)
         copy._on_fail = self._failed
@@ -133,8 +136,8 @@ class Transfers:
         """The store copy of `ck` (device slot -> its host slot, [R53]); the caller
         pins `ck` for it (the pin is released when it is reaped)."""
         host = self._checkpoints._host_pool()
-        moves = [
-            (view, host.tensors[name][ck.host_slot])
+        moves: list[Move] = [
+            TensorMove(view, host.tensors[name][ck.host_slot])
             for name, view in self._slots.views(ck.slot).items()
         ]
         self._serial += 1

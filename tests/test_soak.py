@@ -20,15 +20,16 @@ def test_a_short_soak_runs_clean_and_reports_its_figures() -> None:
 def test_the_soak_reports_a_cache_that_restores_the_wrong_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cache.copies import Copy
+    from cache.copies import Copy, TensorMove
 
     real_run = Copy.run
 
     def corrupt(self: Copy) -> None:
         real_run(self)
         if self.kind == "restore":
-            for _, dst in self.moves:
-                dst.add_(1.0)
+            for move in self.moves:
+                assert isinstance(move, TensorMove)  # a restore's moves are tensor copies
+                move.dst.add_(1.0)
 
     monkeypatch.setattr(Copy, "run", corrupt)
     result = run_soak(2000, seed=1, check_every=500, trace_memory=False)
