@@ -82,6 +82,8 @@ class Scenario:
     """Blocks of the host-memory tier (0: none)."""
     write_back: bool = False
     """With a host tier and an attention-only model: `host_write="back"` ([R52])."""
+    host_checkpoint_slots: int = 0
+    """Host checkpoint slots, with SSM state ([R53]-[R56]; 0: none)."""
 
     def longest_conversation(self) -> int:
         return max(
@@ -127,6 +129,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         abort_prob=draw(st.sampled_from([0.0, 0.0, 0.3])),
         host_blocks=draw(st.sampled_from([0, 0, 3, 32])),
         write_back=draw(st.booleans()),
+        host_checkpoint_slots=draw(st.sampled_from([0, 0, 1, 8])),
     )
 
 
@@ -143,6 +146,7 @@ def serve(
         device=device,
         num_host_blocks=sc.host_blocks,
         host_write="back" if sc.write_back and not model.state_shapes() else "through",
+        num_host_checkpoint_slots=sc.host_checkpoint_slots if model.state_shapes() else 0,
     )
     copies = ManualCopies() if sc.manual_copies else None
     trie = BlockTrie(config, copies=copies)
@@ -194,6 +198,7 @@ def assert_cache_returns_to_empty(engine: Engine) -> None:
     assert trie.num_free_blocks == trie.config.num_blocks
     assert trie.num_free_checkpoint_slots == trie.config.num_checkpoint_slots
     assert trie.num_free_host_blocks == trie.config.num_host_blocks
+    assert trie.num_free_host_checkpoint_slots == trie.config.num_host_checkpoint_slots
 
 
 @settings(
@@ -361,6 +366,42 @@ def test_host_tier_round_trip_is_bit_identical_and_outputs_match_cold(
     assert [r.generated for c in first for r in c] == [r.generated for c in second for r in c]
     assert_identical_to_cold(model, first + second)
     assert_cache_returns_to_empty(engine)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_host_checkpoints_restore_offloaded_state_and_outputs_match_cold(manual: bool) -> None:
+    """One device checkpoint slot for many chats: each save pushes the previous
+    checkpoint to its host slot ([R54]); the second round restores those from the
+    host ([R56]). Every output equals a cold run, and the host slots serve hits a
+    device-only cache of the same size cannot."""
+    model = CPU_MODELS["hybrid"]
+    rng = random.Random(11)
+    chats = [[(tuple(rng.randrange(VOCAB) for _ in range(9)), 2), ((1, 2, 3), 2)] for _ in range(4)]
+
+    def serve_twice(host_slots: int) -> tuple[BlockTrie, list[list[RequestResult]]]:
+        config = model.cache_config(
+            block_size=2, num_blocks=96, num_checkpoint_slots=1,
+            num_host_checkpoint_slots=host_slots,
+        )  # fmt: skip
+        copies = ManualCopies() if manual else None
+        trie = BlockTrie(config, copies=copies)
+        engine = Engine(
+            model, trie, max_running=1, chunk_size=4, copies=copies, complete_prob=0.5, seed=3,
+            check=True,
+        )  # fmt: skip
+        results = run_chat(engine, chats) + run_chat(engine, chats)
+        assert_identical_to_cold(model, results)
+        assert_cache_returns_to_empty(engine)
+        return trie, results
+
+    device_only, cold_results = serve_twice(0)
+    with_host, results = serve_twice(16)
+    stats = with_host.stats
+    assert stats.checkpoints_stored > 0 and stats.checkpoints_offloaded > 0, stats
+    assert stats.hit_tokens > device_only.stats.hit_tokens, (stats, device_only.stats)
+    assert [r.generated for c in results for r in c] == [
+        r.generated for c in cold_results for r in c
+    ]
 
 
 def test_second_identical_chat_is_served_from_cache() -> None:

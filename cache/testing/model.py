@@ -472,12 +472,14 @@ class TinyHybridModel:
         device: str | torch.device | None = None,
         num_host_blocks: int = 0,
         host_write: str = "through",
+        num_host_checkpoint_slots: int = 0,
     ) -> CacheConfig:
         """A `cache.CacheConfig` whose KV and state layouts fit this model.
 
         ``kv_block_shape``, ``state_shapes`` and both dtypes come from the
         model; ``device`` defaults to the model's; ``num_host_blocks`` > 0
-        adds a host-memory tier.
+        adds a host-memory tier, ``num_host_checkpoint_slots`` > 0 host
+        checkpoint slots.
         """
         from cache.config import CacheConfig
 
@@ -492,6 +494,7 @@ class TinyHybridModel:
             device=self.config.device if device is None else device,
             num_host_blocks=num_host_blocks,
             host_write=host_write,
+            num_host_checkpoint_slots=num_host_checkpoint_slots,
         )
 
 
