@@ -60,6 +60,10 @@ _FINISHED_STORE: dict[str, str] = {
 """The `RESIDENCY` table's `stored` row (only `storing` has one), read the same way."""
 _STORE = CopyKind.STORE.value
 _LOADING = Residency.LOADING.value
+# Plain-str triggers: table lookups skip the enum's Python __hash__ (the load hot path).
+_LOAD = ResidencyTrigger.LOAD.value
+_LOADED = ResidencyTrigger.LOADED.value
+_LOAD_FAILED = ResidencyTrigger.LOAD_FAILED.value
 _FREE = NodeTrigger.FREE.value
 
 
@@ -157,12 +161,14 @@ class HostTier:
 
     def settle(self, node: Node) -> None:
         """Put `node` in the host eviction index iff it is eligible (an `offloaded`
-        leaf whose host block only the trie holds), keeping invariant 7."""
-        eligible = (
-            node.state == _OFFLOADED
-            and node.children is NO_CHILDREN
-            and self.pool.refs[node.host] == 1
-        )
+        leaf whose host block only the trie holds), keeping invariant 7.
+
+        A node that is not `offloaded` is never in the index (every way out of
+        `offloaded` leaves the index first: a match's `pin`, `adopt`, eviction),
+        so it needs no look."""
+        if node.state != _OFFLOADED:
+            return
+        eligible = node.children is NO_CHILDREN and self.pool.refs[node.host] == 1
         if eligible != (node in self.index):
             if eligible:
                 self.index.add(node)
@@ -243,10 +249,10 @@ class HostTier:
     # ----------------------------------------------------------------- load
 
     def begin_load(self, node: Node) -> None:
-        """`node` (residency `host`, a request's match holding its host block) is being
-        loaded into the device block the evictor just attached ([R50])."""
-        node.residency = RESIDENCY.step(ResidencyTrigger.LOAD, node.residency, node)
-        self._unindex(node)
+        """`node` (residency `host`, a request's match holding its host block, so out
+        of the host index since `pin`) is being loaded into the device block the
+        evictor just attached ([R50])."""
+        node.residency = RESIDENCY.step(_LOAD, node.residency, node)
 
     def load_moves(self, nodes: list[Node], waits_on: list[int]) -> Copy:
         """The load copy for `nodes` (host -> their new device blocks), ordered after
@@ -268,11 +274,11 @@ class HostTier:
         for node in copy.nodes:
             del self.loading[node]
             if copy.failed:
-                node.residency = RESIDENCY.step(ResidencyTrigger.LOAD_FAILED, node.residency, node)
+                node.residency = RESIDENCY.step(_LOAD_FAILED, node.residency, node)
                 evictor.detach_block(node)
                 failed_nodes.append(node)
             else:
-                node.residency = RESIDENCY.step(ResidencyTrigger.LOADED, node.residency, node)
+                node.residency = RESIDENCY.step(_LOADED, node.residency, node)
                 self._stats.loaded_blocks += 1
             self.settle(node)
         if not copy.failed:

@@ -556,8 +556,8 @@ class BlockTrie:
             kv.incref(node.block)  # the request's reference
             host.loading[node] = copy
             copy.nodes.append(node)
-        self._transfers.hold(copy, [n.block for n in own], [n.host for n in own])
-        host.unpin(own)  # the copy holds their host blocks now
+        self._transfers.hold(copy, [n.block for n in own], [])
+        copy.host_blocks.extend(n.host for n in own)  # the request's host references
         host.unpin(shared)  # their device blocks are the request's now
         for node in own:
             self._evictor.settle(node)
