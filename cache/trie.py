@@ -904,8 +904,10 @@ class BlockTrie:
                     break
 
     def evict_checkpoints(self, n: int) -> int:
-        """Release up to `n` LRU unpinned checkpoints (slots and frozen tails); nodes
-        stay ([R24]). Returns how many; pinned ones are never touched (invariant 2)."""
+        """Free the device slots of up to `n` LRU unpinned checkpoints (and their frozen
+        tails); nodes stay ([R24]). A checkpoint already stored in a host slot stays
+        there, host-only ([R54]); any other is released. Returns how many device
+        slots were freed; pinned ones are never touched (invariant 2)."""
         if not self._gate.acquire(False):
             raise self._concurrent_use("evict_checkpoints()")
         try:
