@@ -19,7 +19,9 @@ on request:
   chains of 16 blocks; evict in batches of 32), for both tries.
 - **ckpt**: SSM checkpoint save and restore throughput (copies/s and bytes/s)
   for a realistic state (default 64 layers x 2 MiB), against a plain torch
-  ``copy_`` of the same bytes in the same run.
+  ``copy_`` of the same bytes in the same run; and a restore of a host-only
+  checkpoint (host checkpoint slots, [R56]) against a plain ``copy_`` from the
+  same host tensors.
 - **events**: KV events per stored block (hash, build, encode, publish on
   loopback) as a ratio to the cache's own per-block cost in the same run
   (`bench.events`; needs the ``events`` extra, skipped without it).
@@ -44,7 +46,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -490,7 +492,45 @@ def bench_ckpt(args: argparse.Namespace, out: dict[str, Any]) -> None:
             sync()
         return n, time.perf_counter() - t0
 
+    # A restore from the host tier ([R56]): one device slot, the same checkpoints stored
+    # in host slots as they are saved, then offloaded; each restore reads a host slot.
+    host_trie = BlockTrie(replace(config, num_checkpoint_slots=1, num_host_checkpoint_slots=slots))
+    host_owner = host_trie.match(tokens)
+    host_trie.allocate(host_owner, len(tokens))
+    host_trie.commit(host_owner, len(tokens))
+    for i in range(1, slots + 1):
+        host_trie.save(host_owner, i * b, src)
+        sync()
+        host_trie.poll()
+    host_trie.evict_checkpoints(1)
+    host_trie.release(host_owner)
+    host_pool = host_trie.host_checkpoint_states
+
+    def time_host_restores(n: int) -> tuple[int, float]:
+        secs = 0.0
+        for i in range(n):
+            seq = host_trie.match(tokens[: (i % slots + 1) * b + 1])
+            t0 = time.perf_counter()
+            host_trie.restore(seq, dst).wait()
+            sync()
+            host_trie.poll()
+            secs += time.perf_counter() - t0
+            host_trie.release(seq)
+        return n, secs
+
+    def time_plain_host(n: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for i in range(n):
+            for name, tensor in dst.items():
+                tensor.copy_(host_pool[name][i % slots], non_blocking=True)
+            sync()
+        return n, time.perf_counter() - t0
+
     # Warm up: touch every slot and buffer once (first-touch page faults are not copies).
+    time_host_restores(slots)
+    if not torch.equal(dst[next(iter(shapes))], src[next(iter(shapes))]):
+        raise RuntimeError("a restore from the host tier did not copy the state back")
+    time_plain_host(slots)
     time_saves(slots + 1)
     time_restores(2)
     # The copies really move the bytes: a slot holds `src`, and a restore filled `dst`.
@@ -508,6 +548,8 @@ def bench_ckpt(args: argparse.Namespace, out: dict[str, Any]) -> None:
             ("plain_save", lambda: time_plain(iters, True)),
             ("restore", lambda: time_restores(iters)),
             ("plain_restore", lambda: time_plain(iters, False)),
+            ("host_restore", lambda: time_host_restores(iters)),
+            ("plain_host_restore", lambda: time_plain_host(iters)),
         ]
         for key, fn in runs:
             n, secs = fn()
@@ -519,7 +561,7 @@ def bench_ckpt(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for col in ("operation", "copies/s", "GiB/s", "vs plain copy_"):
         table.add_column(col, justify="right" if col != "operation" else "left")
     rows = {}
-    for name in ("save", "restore"):
+    for name in ("save", "restore", "host_restore"):
         cps = best[name][0] / best[name][1]
         plain_cps = best["plain_" + name][0] / best["plain_" + name][1]
         rows[name] = {
