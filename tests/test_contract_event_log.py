@@ -4,7 +4,13 @@ The checkpoint slots that events replay to include the events already drained
 (invariant 10 holds after a drain); checkpoint events carry the exact chain
 hash, parent hash, namespace and extra keys, and a commit's `BlockStored` its
 tokens and extra keys whatever the key shape; removals come one event per run of
-one namespace; a disabled or muted log emits nothing.
+one namespace; a disabled or muted log emits nothing. Host-tier removals name
+each block's hash, host block and namespace in medium CPU, and the host blocks
+that events replay to include the events already drained (and only host
+events). A block moving between tiers is one full `BlockStored` per block: its
+hash, block, parent hash (None under a root), tokens, namespace, medium and
+extra keys; a device block freed while its node stays is a `BlockRemoved`
+naming its namespace.
 """
 
 from __future__ import annotations
@@ -14,7 +20,16 @@ import pytest
 from cache import BlockTrie
 from cache.block_hash import BlockHasher, extra_keys
 from cache.event_log import EventLog
-from cache.events import CHECKPOINT_GROUP, BlockRemoved, BlockStored
+from cache.events import (
+    CHECKPOINT_GROUP,
+    KIND_FULL_ATTENTION,
+    KV_GROUP,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockRemoved,
+    BlockStored,
+)
+from cache.keys import pack_tokens
 from cache.node import Node
 from tests.helpers import detached_node, kv_trie, ssm_trie, state
 
@@ -203,3 +218,71 @@ def test_a_commit_announces_full_attention_blocks_in_the_device_tier() -> None:
         "full_attention",
     )
     assert event.lora_id is None
+
+
+def _host_node(namespace: str, block: int, host: int) -> Node:
+    node = _node(namespace, block)
+    node.host = host
+    return node
+
+
+def test_host_removals_name_hash_host_block_and_namespace() -> None:
+    log = EventLog(True)
+    log.host_removed([_host_node("t", 1, 7), _host_node("", 2, 8)])
+    assert log.drain() == [
+        BlockRemoved((101,), (7,), "t", MEDIUM_CPU),
+        BlockRemoved((102,), (8,), "", MEDIUM_CPU),
+    ]
+    off = EventLog(False)
+    off.host_removed([_host_node("", 1, 7)])
+    assert off.drain() == []
+
+
+def test_drained_host_events_still_count() -> None:
+    log = EventLog(True)
+    stored = [_host_node("", 1, 7), _host_node("", 2, 8)]
+    log.host_stored(stored)
+    log.back_on_device([_node("", 3)])  # a device event: not a host block
+    log.drain()
+    assert log.replayed_host_blocks() == {7, 8}
+    log.host_removed(stored[:1])
+    assert log.replayed_host_blocks() == {8}
+    log.drain()
+    assert log.replayed_host_blocks() == {8}
+
+
+def _chain(namespace: str) -> tuple[Node, Node]:
+    """A block under a root and a block with an extra identity under it."""
+    root = detached_node(namespace=namespace, block_hash=50)
+    first = Node(parent=root, key=pack_tokens([1, 2]), block=1, namespace=namespace,
+                 serial=1, tick=0, block_hash=101, state="x")  # fmt: skip
+    second = Node(parent=first, key=(pack_tokens([3, 4]), "img"), block=2,
+                  namespace=namespace, serial=2, tick=0, block_hash=102, state="x")  # fmt: skip
+    first.host, second.host = 7, 8
+    return first, second
+
+
+@pytest.mark.parametrize("namespace", ["", "tenant"])
+def test_blocks_moving_between_tiers_are_announced_in_full(namespace: str) -> None:
+    first, second = _chain(namespace)
+    log = EventLog(True)
+    log.host_stored([first, second])
+    log.back_on_device([second])
+
+    def event(node: Node, block: int, parent: int | None, medium: str) -> BlockStored:
+        keys = (extra_keys(node.extra, namespace),) if namespace or node.extra else None
+        return BlockStored((node.block_hash,), (block,), parent, node.tokens, 2, namespace,
+                           medium, KV_GROUP, KIND_FULL_ATTENTION, keys)  # fmt: skip
+
+    assert log.drain() == [
+        event(first, 7, None, MEDIUM_CPU),
+        event(second, 8, 101, MEDIUM_CPU),
+        event(second, 2, 101, MEDIUM_GPU),
+    ]
+
+
+def test_a_freed_device_block_names_its_namespace() -> None:
+    first, _ = _chain("tenant")
+    log = EventLog(True)
+    log.removed_blocks(first, 1)
+    assert log.drain() == [BlockRemoved((101,), (1,), "tenant")]

@@ -59,3 +59,12 @@ def test_request_keys_wrap_every_block_with_the_injected_hash() -> None:
     keys = request_keys(token_list([1, 2, 3, 4]), None, 2, lambda block: 7, 0, 2)
     assert keys == [HashedKey(pack_tokens([1, 2]), 7), HashedKey(pack_tokens([3, 4]), 7)]
     assert all(hash(k) == 7 for k in keys)
+
+
+def test_hashed_keys_with_colliding_hashes_stay_unequal() -> None:
+    """Equality is exact on the wrapped key: an injected collision only narrows."""
+    a, b = HashedKey(pack_tokens([1, 2]), 7), HashedKey(pack_tokens([3, 4]), 7)
+    assert hash(a) == hash(b)
+    assert a != b and len({a, b}) == 2
+    assert a == HashedKey(pack_tokens([1, 2]), 7)
+    assert a != pack_tokens([1, 2])  # a hashed key never equals a bare one

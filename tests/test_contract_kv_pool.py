@@ -1,0 +1,49 @@
+"""Contract details of `cache.kv_pool.KVBlockPool` (mutation survivors).
+
+A failed batch `decref_all` changes nothing: every count it had dropped is
+restored, and exactly the blocks it had freed leave the free list again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache.faults import Faults
+from cache.kv_pool import KVBlockPool
+from spec.errors import CacheError
+
+
+def _pool(n: int) -> KVBlockPool:
+    return KVBlockPool(n, None, torch.float32, torch.device("cpu"), Faults())
+
+
+def test_a_failed_decref_all_takes_back_only_the_blocks_it_freed() -> None:
+    pool = _pool(4)
+    a, b, c = pool.take(3)
+    pool.decref(c)  # c is free
+    before_refs, before_free = list(pool.refs), pool.free_ids()
+    with pytest.raises(CacheError, match=rf"^KV pool: block {c} is already free"):
+        pool.decref_all([a, c])  # a reaches 0 (freed) before the failure
+    assert pool.refs == before_refs and pool.free_ids() == before_free
+    pool.incref(b)  # b: 2
+    before_refs, before_free = list(pool.refs), pool.free_ids()
+    with pytest.raises(CacheError, match=rf"^KV pool: block {c} is already free"):
+        pool.decref_all([b, c])  # b drops to 1 (still used) before the failure
+    assert pool.refs == before_refs and pool.free_ids() == before_free
+
+
+def test_a_one_block_pool_has_storage_for_its_block() -> None:
+    pool = KVBlockPool(1, (3,), torch.float32, torch.device("cpu"), Faults())
+    assert pool.tensor is not None and tuple(pool.tensor.shape) == (1, 3)
+    view = pool.view(0)
+    assert view is not None and tuple(view.shape) == (3,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_a_pinned_pool_is_page_locked() -> None:
+    """The host tier's pool of a CUDA trie is page-locked, so its copies can be asynchronous."""
+    pool = KVBlockPool(
+        2, (3,), torch.float32, torch.device("cpu"), Faults(), name="host tier", pin_memory=True
+    )
+    assert pool.tensor is not None and pool.tensor.is_pinned()
