@@ -25,7 +25,8 @@ over this byte layout (all integers little-endian):
 
 where ``enc`` is the canonical value encoding (see `encode_value`): ``None ->
 b"N"``; ``int`` (and ``bool``, as Python compares ``True == 1``) -> ``b"i" ||
-u32(n) || n bytes of minimal two's-complement``; ``str -> b"s" || u32(n) ||
+u32(n) || n bytes of little-endian two's-complement``, ``n = (bit_length + 8) // 8``
+(room for the sign bit beyond the magnitude: ``-128`` takes 2 bytes); ``str -> b"s" || u32(n) ||
 UTF-8``; ``bytes`` -> ``b"b" || u32(n) || raw``; ``tuple -> b"t" || u32(len) ||
 enc(item)...``. Anything else (floats, lists, custom objects) raises
 `TypeError`: a float's bytes would not follow Python's ``1.0 == 1``.
