@@ -227,16 +227,12 @@ class CheckpointStore:
         KV blocks freed."""
         announced = ck.state == _PUBLISHED
         self.move(ck, trigger)
-        if announced:
-            if ck.slot != NO_SLOT:
-                self._events.checkpoint_dropped(ck)
-            if ck.residency in _ON_HOST:
-                self._events.checkpoint_dropped(ck, host=True)
+        if announced and ck.slot != NO_SLOT:
+            self._events.checkpoint_dropped(ck)
         ck.anchor.checkpoint = None
         if ck.slot != NO_SLOT:
             self.slots.give(ck.slot)
-        if ck.host_slot != NO_SLOT:
-            self._host_pool().give(ck.host_slot)
+        self._give_host_slot(ck, announced)
         if ck.frozen_block is not None and self._kv.decref(ck.frozen_block):
             return 1
         return 0
@@ -245,15 +241,23 @@ class CheckpointStore:
         """A save replaces unpinned `old` on its anchor ([R25]-[R27]): the new one
         takes over its device slot (if it has one) and, with `keep_frozen`, its
         frozen tail; its host slot is given back."""
-        announced_on_host = old.state == _PUBLISHED and old.residency in _ON_HOST
+        announced = old.state == _PUBLISHED
         self.move(old, CheckpointTrigger.REPLACE)
         old.anchor.checkpoint = None
         if old.frozen_block is not None and not keep_frozen:
             self._kv.decref(old.frozen_block)
-        if old.host_slot != NO_SLOT:
-            if announced_on_host:
-                self._events.checkpoint_dropped(old, host=True)
-            self._host_pool().give(old.host_slot)
+        self._give_host_slot(old, announced)
+
+    def _give_host_slot(self, ck: Checkpoint, announced: bool) -> None:
+        """Give back `ck`'s host slot, if it holds one, with a `CPU` removal when its
+        host copy was announced (`announced`: it was published, and its store had
+        finished)."""
+        if ck.host_slot == NO_SLOT:
+            return
+        if announced and ck.residency in _ON_HOST:
+            self._events.checkpoint_dropped(ck, host=True)
+        self._host_pool().give(ck.host_slot)
+        ck.host_slot = NO_SLOT
 
     # ------------------------------------------------------------ host tier
 
@@ -290,8 +294,7 @@ class CheckpointStore:
         again with the host slot given back if the copy failed."""
         if failed:
             ck.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, ck.residency, ck)
-            self._host_pool().give(ck.host_slot)
-            ck.host_slot = NO_SLOT
+            self._give_host_slot(ck, announced=False)  # never announced: `device` now
             return
         ck.residency = RESIDENCY.step(ResidencyTrigger.STORED, ck.residency, ck)
         self._stats.checkpoints_stored += 1
@@ -302,8 +305,9 @@ class CheckpointStore:
         """Give back the device slot of an unpinned published `mirrored` checkpoint
         ([R54]): it stays matchable, host-only."""
         residency = RESIDENCY.step(ResidencyTrigger.OFFLOAD, ck.residency, ck)
-        if ck.state != _PUBLISHED:
-            raise InvariantViolation("pin safety", f"offload of {ck!r}: only an unpinned one")
+        # Leaving the device is an eviction there: the checkpoint lifecycle allows it
+        # only from `published` (unpinned); the state itself stays.
+        CHECKPOINT.step(CheckpointTrigger.EVICT, ck.state, ck)
         self.lru.remove(ck)
         self._events.checkpoint_dropped(ck)
         self.slots.give(ck.slot)

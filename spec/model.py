@@ -667,17 +667,8 @@ class ReferenceCache:
         c.host_slot = self._free_host_slot_list()[0]
         c.residency = RESIDENCY.step(ResidencyTrigger.STORE, c.residency)
         assert c.slot is not None
-        self._copy_counter += 1
-        cp = ModelCopy(
-            self,
-            self._copy_counter,
-            "store",
-            c.step,
-            [],
-            [c],  # the store pins it until reaped
-            frozenset({("slot", c.slot), ("host_slot", c.host_slot)}),
-        )
-        self._copies.append(cp)
+        touches = {("slot", c.slot), ("host_slot", c.host_slot)}
+        cp = self._add_copy("store", c.step, [], [c], touches)  # the store pins it
         self._settle(cp)
 
     def _make_room(self, short: int) -> int:
@@ -740,16 +731,21 @@ class ReferenceCache:
             touches.add(("block", checkpoint.frozen_block))
         if seq_block is not None:
             touches.add(("block", seq_block))
+        blocks = [] if seq_block is None else [seq_block]
+        return self._add_copy(kind, checkpoint.step, blocks, [checkpoint], touches)
+
+    def _add_copy(
+        self,
+        kind: str,
+        step: int,
+        blocks: list[int],
+        pins: list[_Checkpoint],
+        touches: set[tuple[str, int]],
+    ) -> ModelCopy:
+        """A new unreaped copy holding `blocks` and a pin on each of `pins` ([R35]),
+        ordered by what it `touches` ([R36])."""
         self._copy_counter += 1
-        cp = ModelCopy(
-            self,
-            self._copy_counter,
-            kind,
-            checkpoint.step,
-            [] if seq_block is None else [seq_block],
-            [checkpoint],
-            frozenset(touches),
-        )
+        cp = ModelCopy(self, self._copy_counter, kind, step, blocks, pins, frozenset(touches))
         self._copies.append(cp)
         return cp
 
@@ -1024,11 +1020,9 @@ class ReferenceCache:
     ) -> ModelCopy:
         """A store or load copy holding `blocks` and `hosts` ([R35], [R36])."""
         touches = {("block", b) for b in (*blocks, *waits_on)} | {("host_block", h) for h in hosts}
-        self._copy_counter += 1
-        cp = ModelCopy(self, self._copy_counter, kind, 0, list(blocks), [], frozenset(touches))
+        cp = self._add_copy(kind, 0, list(blocks), [], touches)
         cp._host_blocks = list(hosts)
         cp._nodes = list(nodes)
-        self._copies.append(cp)
         return cp
 
     def load(self, seq: ModelSequence) -> ModelCopy | None:
