@@ -629,6 +629,17 @@ def bench_host_section(args: argparse.Namespace, out: dict[str, Any]) -> None:
     )
     out["host"] = result
     print_host(result, console.print)
+    if args.host_model_blocks > 0:
+        model = bench_host(
+            blocks=args.host_model_blocks,
+            block_shape=tuple(args.host_model_block_shape),
+            device=args.device,
+            repeat=args.repeats,
+            seed=args.seed,
+            loop=False,
+        )
+        out["host_model"] = model
+        print_host(model, console.print)
 
 
 def _floats(text: str) -> list[float]:
@@ -736,6 +747,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints,
         default=[16, 8, 128],
         help="host: one KV block's shape (fp16), e.g. 16,8,128 (tokens, heads, head dim)",
+    )
+    p.add_argument(
+        "--host-model-blocks",
+        type=int,
+        default=256,
+        help="host: blocks per round trip at the model-sized block shape (0: skip that row)",
+    )
+    p.add_argument(
+        "--host-model-block-shape",
+        type=_ints,
+        default=[16, 32, 2, 8, 64],
+        help="host: a model-sized block (fp16; default 16 tokens x 32 layers x K,V x 8 heads x "
+        "64 dims = 1 MiB, one block of a 7-8B GQA model)",
     )
     p.add_argument("--device", default="cpu", help="ckpt and host: the pool's device")
     p.add_argument("--soak-steps", type=int, default=1_000_000)

@@ -64,8 +64,12 @@ def test_bench_run_has_a_host_section(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = ["--sections", "host", "--host-users", "6", "--host-blocks", "8"]
     argv += ["--host-block-shape", "16,2,4", "--repeats", "1", "--json", str(out)]
+    argv += ["--host-model-blocks", "4", "--host-model-block-shape", "16,2,2,2,4"]
     assert bench_main(argv) == 0
-    host = json.loads(out.read_text())["host"]
+    figures = json.loads(out.read_text())
+    host, model = figures["host"], figures["host_model"]
+    assert set(model) == {"copy", "copy_scattered"}
+    assert model["copy"]["blocks"] == 4 and model["copy"]["block_shape"] == [16, 2, 2, 2, 4]
     assert set(host) == {"loop", "copy", "copy_scattered"}
     assert host["copy"]["layout"] == "fresh" and host["copy_scattered"]["layout"] == "scattered"
     assert host["copy"]["blocks"] == 8 and host["loop"]["no_host"]["ratio"] > 0

@@ -66,6 +66,10 @@ LAYOUTS = {
     "source run, scattered destination": ([0, 1, 2, 3, 4, 5], [33, 1, 17, 9, 25, 4]),
     "a few destination runs": ([1, 2, 3, 20, 21, 8, 30], [5, 6, 7, 12, 13, 30, 31]),
     "scattered both ways": ([3, 19, 7, 25, 11, 0, 36, 14], [28, 2, 15, 9, 33, 21, 6, 39]),
+    "many runs, some longer than a block": (
+        [0, 1, 5, 9, 10, 11, 20, 30, 39],
+        [10, 11, 3, 20, 21, 22, 0, 7, 15],
+    ),
 }
 
 
@@ -153,6 +157,37 @@ def test_runs_and_the_paths_they_choose(monkeypatch: pytest.MonkeyPatch) -> None
     check(many[::-1], many, shape=(SPLIT_RUN_BYTES // 2 - 8,))  # just below: gathered
     assert calls == ["index_select", "index_copy_"]
     assert _common_runs([1, 2, 3, 5, 6], [7, 8, 2, 3, 4]) == [(0, 2), (2, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "one by one"])
+def test_big_scattered_blocks_are_copied_run_by_run_in_one_batch(
+    monkeypatch: pytest.MonkeyPatch, foreach: bool
+) -> None:
+    """Past `MAX_RUN_OPS` runs of big blocks on the CPU, every run consecutive on both
+    sides is one ``copy_``, issued together by ``torch._foreach_copy_`` (or one by one
+    where torch lacks it): single blocks by index, longer runs as slices."""
+    import cache.moves as moves
+
+    batches: list[list[tuple[int, ...]]] = []
+    real = moves._FOREACH_COPY
+    assert real is not None  # the torch this project pins has it
+
+    def spy(dst_views: list[torch.Tensor], src_views: list[torch.Tensor]) -> None:
+        batches.append([tuple(t.shape) for t in dst_views])
+        assert [t.shape for t in src_views] == [t.shape for t in dst_views]
+        real(dst_views, src_views)
+
+    monkeypatch.setattr(moves, "_FOREACH_COPY", spy if foreach else None)
+    block = SPLIT_RUN_BYTES // 2  # float16 elements: one block is SPLIT_RUN_BYTES
+    src_ids, dst_ids = LAYOUTS["many runs, some longer than a block"]
+    check(src_ids, dst_ids, shape=(block,))
+    if foreach:
+        words = block * 2 // 8  # blocks are moved as int64 words
+        runs = [1, 1, 1, 2, 3, 1]  # destination order: 0 | 3 | 7 | 10-11 | 15 | 20-22
+        assert sorted(batches[0]) == sorted((words,) if n == 1 else (n, words) for n in runs)
+        assert len(batches) == 1
+    else:
+        assert batches == []
 
 
 def test_temporaries_are_kept_until_released() -> None:
