@@ -1,0 +1,793 @@
+"""Contract tests for `cache.trie.BlockTrie` written to kill mutants that survived
+`python -m tools.mutation --paths cache/trie.py`: the exact errors each operation
+raises, the undo of copies that fail when queued (write-back stores, checkpoint
+stores), waiting for write-back stores, and the state a request keeps after a
+failed load."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from cache import (
+    BlockTrie,
+    CacheConfig,
+    CacheError,
+    ConcurrentUse,
+    Copy,
+    CopyEngine,
+    DeviceCopies,
+    HostTierError,
+    ManualCopies,
+    OutOfBlocks,
+    Sequence,
+)
+from cache.sequence import PinReceipt
+from spec.errors import CheckpointError, InvalidArgument, InvalidType, PinError
+from spec.invariants import rollback
+from spec.lifecycle import CopyTrigger, Residency
+from tests.helpers import empty_state, ssm_trie, state
+
+B = 2
+A = [1, 1, 2, 2, 3, 3, 9]  # three full blocks and one token
+OTHER = [5, 5, 6, 6, 7, 7, 8, 8, 9]
+
+
+def host_trie(
+    num_blocks: int = 8, host_blocks: int = 16, copies: CopyEngine | None = None, **kw: object
+) -> BlockTrie:
+    """An attention-only trie with a host tier; KV blocks hold float64 token ids."""
+    kw.setdefault("enable_events", True)
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=num_blocks,
+        num_host_blocks=host_blocks,
+        kv_block_shape=(B,),
+        kv_dtype=torch.float64,
+        **kw,  # type: ignore[arg-type]
+    )
+    return BlockTrie(config, copies=copies)
+
+
+def compute(trie: BlockTrie, seq: Sequence, tokens: list[int]) -> None:
+    """What prefill does: write the KV of every uncached full block."""
+    kv = trie.kv_cache
+    assert kv is not None
+    for i in range(seq.num_cached_tokens // B, len(tokens) // B):
+        kv[seq.block_ids[i]] = torch.tensor(tokens[i * B : (i + 1) * B], dtype=torch.float64)
+
+
+def prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
+    """match, allocate, compute, commit every full block (no load: nothing on the host)."""
+    seq = trie.match(tokens)
+    trie.allocate(seq, len(tokens))
+    compute(trie, seq, tokens)
+    trie.commit(seq, len(tokens))
+    return seq
+
+
+def residency(trie: BlockTrie) -> dict[tuple[int, ...], str]:
+    """Each attached node's residency, by its tokens."""
+    return {
+        tuple(n["key"][0]): n["residency"]  # type: ignore[index]
+        for n in trie.snapshot()["nodes"].values()
+        if n["parent"] is not None
+    }
+
+
+# ------------------------------------------------------------ single-threaded ([R45])
+
+
+def _operations(trie: BlockTrie, seq: Sequence) -> dict[str, Callable[[], object]]:
+    receipt = object()
+    return {
+        "match()": lambda: trie.match([1, 2, 3]),
+        "append()": lambda: trie.append(seq, [4]),
+        "allocate()": lambda: trie.allocate(seq, 1),
+        "load()": lambda: trie.load(seq),
+        "commit()": lambda: trie.commit(seq, 0),
+        "release()": lambda: trie.release(seq),
+        "abort()": lambda: trie.abort(seq),
+        "evict()": lambda: trie.evict(1),
+        "evict_host()": lambda: trie.evict_host(1),
+        "evict_checkpoints()": lambda: trie.evict_checkpoints(1),
+        "clear()": trie.clear,
+        "save()": lambda: trie.save(seq, 1, None),
+        "restore()": lambda: trie.restore(seq, None),
+        "poll()": trie.poll,
+        "pin()": lambda: trie.pin(seq),
+        "unpin()": lambda: trie.unpin(receipt),  # type: ignore[arg-type]
+        "drain_events()": trie.drain_events,
+    }
+
+
+OPERATIONS = [
+    "match()", "append()", "allocate()", "load()", "commit()", "release()", "abort()",
+    "evict()", "evict_host()", "evict_checkpoints()", "clear()", "save()", "restore()",
+    "poll()", "pin()", "unpin()", "drain_events()",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_an_operation_entered_while_another_runs_is_refused_by_name(operation: str) -> None:
+    """While one operation holds the trie, any other is refused at once with
+    `ConcurrentUse` naming it, before it changes anything; the trie stays usable."""
+    trie = host_trie()
+    seq = trie.match([1, 2, 3])
+    call = _operations(trie, seq)[operation]
+    before = trie.snapshot()
+    gate = trie._gate
+    assert gate.acquire(False)  # an operation is running (as if in another thread)
+    # Never let a blocking acquire hang the suite: the gate opens after a while.
+    opener = threading.Timer(5.0, gate.release)
+    opener.start()
+    try:
+        message = (
+            f"{operation}: this cache is already running an operation in another thread; "
+            "a BlockTrie is single-threaded (one scheduler owns it)"
+        )
+        with pytest.raises(ConcurrentUse, match=f"^{re.escape(message)}$"):
+            call()
+    finally:
+        opener.cancel()
+        opener.join()
+    assert gate.locked(), "the refused call must not release the running operation's gate"
+    gate.release()
+    assert trie.snapshot() == before
+    trie.release(seq)
+    trie.check()
+
+
+# ----------------------------------------------------------- the hit on the host ([R50])
+
+
+def test_operations_before_load_name_the_host_blocks_and_the_fix() -> None:
+    trie = host_trie()
+    trie.release(prefill(trie, A))
+    trie.evict(3)
+    seq = trie.match(A)
+    message = f"allocate: {seq!r} has 3 matched blocks in the host tier; call load(seq) first"
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.allocate(seq, 7)
+    trie.release(seq)
+    trie.check()
+
+
+def test_after_a_failed_load_allocate_refuses_and_says_to_abort() -> None:
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    trie.release(prefill(trie, A))
+    copies.complete_all()
+    trie.poll()
+    trie.evict(10)
+    seq = trie.match(A)
+    copy = trie.load(seq)
+    assert copy is not None
+    copies.fail(copy)
+    trie.poll()
+    before = trie.snapshot()
+    message = f"allocate: the load of {seq!r}'s host-resident blocks failed; abort it"
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.allocate(seq, 7)
+    assert trie.snapshot() == before
+    trie.abort(seq)
+    trie.check()
+
+
+def test_a_commit_that_computes_a_host_only_block_stamps_it_with_the_commit_tick() -> None:
+    """[R49], [R8]: the adopted node is used at the commit's tick, like a deduplicated one."""
+    trie = host_trie()
+    trie.release(prefill(trie, A))
+    assert trie.evict(1) == 1  # the leaf (3, 3) is host-only now
+    seq = trie.match(A[:6])  # hits (1, 1), (2, 2) on the device; computes (3, 3) itself
+    assert seq.num_cached_tokens == 4 and seq.num_host_tokens == 0
+    trie.allocate(seq, 6)
+    compute(trie, seq, A[:6])
+    trie.commit(seq, 6)
+    (leaf,) = [n for n in trie.snapshot()["nodes"].values() if n["key"] == ((3, 3), None)]
+    assert leaf["residency"] == Residency.MIRRORED.value
+    assert leaf["tick"] == trie.clock
+    trie.abort(seq)  # abort leaves ticks alone
+    (leaf,) = [n for n in trie.snapshot()["nodes"].values() if n["key"] == ((3, 3), None)]
+    assert leaf["tick"] == trie.clock
+    trie.check()
+
+
+# ---------------------------------------------------------------- write-back ([R52])
+
+
+class _FailingStores(DeviceCopies):
+    """CPU copies; a store copy fails when queued."""
+
+    def _start(self, copy: Copy) -> None:
+        if copy.kind == "store":
+            raise RuntimeError("simulated store failure")
+        super()._start(copy)
+
+
+def test_a_write_back_store_that_fails_when_queued_leaves_the_leaves_on_the_device() -> None:
+    """A failed write-back store is undone: its leaves are `device` leaves again,
+    their host blocks free, and they can be evicted outright later."""
+    trie = host_trie(copies=_FailingStores(), host_write="back")
+    trie.release(prefill(trie, A))
+    assert trie.evict(3) == 0  # each round's store fails: nothing freed
+    assert set(residency(trie).values()) == {Residency.DEVICE.value}
+    assert trie.num_free_host_blocks == 16 and trie.num_host_cached_blocks == 0
+    assert trie.num_cached_blocks == 3 and trie.num_evictable_blocks == 1
+    assert trie.stats.stored_blocks == 0 and trie.stats.evicted_blocks == 0
+    trie.check()
+
+
+class _WaitedCopies(CopyEngine):
+    """An engine whose copies run only when waited on (as a device stream's would
+    finish only later): `make_room` can wait for a write-back store."""
+
+    def _start(self, copy: Copy) -> None:
+        pass
+
+    def wait(self, copy: Copy) -> None:
+        if copy.done:
+            return
+        copy.run()
+        copy.fire(CopyTrigger.FINISH)
+
+
+def test_make_room_waits_for_the_write_back_stores_an_engine_can_wait_for() -> None:
+    trie = host_trie(num_blocks=4, copies=_WaitedCopies(), host_write="back")
+    trie.release(prefill(trie, A))  # 3 blocks cached, 1 free
+    other = trie.match(OTHER[:3])
+    trie.allocate(other, 3)  # 1 short: queues the leaf's store, waits for it, reaps it
+    assert len(other.block_ids) == 2
+    assert residency(trie) == {(1, 1): "device", (2, 2): "device", (3, 3): "host"}
+    assert trie.stats.stored_blocks == 1 and trie.stats.evicted_blocks == 1
+    assert trie.poll() == 0, "the waited stores were reaped (and forgotten) already"
+    trie.release(other)
+    trie.check()
+
+
+def test_make_room_short_of_blocks_a_manual_store_holds_raises_and_keeps_the_store() -> None:
+    """With `ManualCopies`, which cannot wait, room-making that queued a write-back
+    store and is still short raises `OutOfBlocks` naming the stores in flight; once
+    the test completes them, the same allocation succeeds."""
+    copies = ManualCopies()
+    trie = host_trie(num_blocks=4, copies=copies, host_write="back")
+    trie.release(prefill(trie, A))
+    other = trie.match(OTHER[:3])
+    message = (
+        "need 2 KV blocks: 1 free; 1 more are freed when the write-back stores in flight "
+        "finish (complete them, poll, retry)"
+    )
+    with pytest.raises(OutOfBlocks, match=f"^{re.escape(message)}$"):
+        trie.allocate(other, 3)
+    (store,) = copies.pending()
+    assert store.kind == "store" and not store.done
+    copies.complete(store)
+    trie.poll()
+    trie.allocate(other, 3)
+    assert len(other.block_ids) == 2
+    trie.release(other)
+    trie.check()
+
+
+# ------------------------------------------------------- checkpoint stores ([R53])
+
+
+def _ssm_host_trie(copies: CopyEngine) -> BlockTrie:
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=16,
+        kv_block_shape=(B,),
+        kv_dtype=torch.float64,
+        num_checkpoint_slots=2,
+        state_shapes={"s": (2,)},
+        state_dtype=torch.float64,
+        num_host_checkpoint_slots=2,
+        enable_events=True,
+    )
+    return BlockTrie(config, copies=copies)
+
+
+def test_a_checkpoint_store_that_fails_when_queued_leaves_it_on_the_device_unpinned() -> None:
+    """[R53]: a checkpoint store is best effort; one that fails when queued is undone:
+    the save stands, the checkpoint stays `device`, its host slot is free again and
+    it holds no pin (it can be evicted)."""
+    trie = _ssm_host_trie(_FailingStores())
+    seq = prefill(trie, [1, 2, 3, 4, 5])
+    save = trie.save(seq, 4, {"s": torch.tensor([7.0, -7.0], dtype=torch.float64)})
+    assert save is not None and save.done
+    trie.release(seq)
+    (ck,) = trie.snapshot()["checkpoints"].values()
+    assert ck["residency"] == Residency.DEVICE.value and ck["host_slot"] is None
+    assert trie.num_free_host_checkpoint_slots == 2 and trie.num_host_checkpoints == 0
+    assert trie.stats.checkpoints_stored == 0
+    trie.check()
+    assert trie.evict_checkpoints(1) == 1, "no pin left behind by the failed store"
+    trie.check()
+
+
+# ------------------------------------------------------------- argument errors ([R1])
+
+SSM_PROMPT = [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]  # two full blocks of 4 and a partial one
+
+
+def _ssm_prefill(trie: BlockTrie, tokens: list[int], extra: object = None) -> Sequence:
+    seq = trie.match(tokens, extra=extra)
+    trie.allocate(seq, len(tokens))
+    trie.commit(seq, len(tokens))
+    return seq
+
+
+def test_counts_of_the_wrong_type_or_sign_are_refused_naming_the_argument() -> None:
+    trie, _ = ssm_trie()
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    before = trie.snapshot()
+    cases: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (lambda: trie.evict_host("1"), InvalidType, "n must be an int, got str"),  # type: ignore[arg-type]
+        (lambda: trie.evict_checkpoints("1"), InvalidType, "n must be an int, got str"),  # type: ignore[arg-type]
+        (lambda: trie.save(seq, "4", state(1.0)), InvalidType, "step must be an int, got str"),  # type: ignore[arg-type]
+        (lambda: trie.evict_host(-1), InvalidArgument, "evict_host: n must be >= 0, got -1"),
+        (
+            lambda: trie.evict_checkpoints(-1),
+            InvalidArgument,
+            "evict_checkpoints: n must be >= 0, got -1",
+        ),
+        (lambda: trie.evict(-2), InvalidArgument, "evict: num_blocks must be >= 0, got -2"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=f"^{re.escape(message)}$"):
+            call()
+    assert trie.snapshot() == before
+    trie.release(seq)
+    trie.check()
+
+
+def test_unpin_names_what_it_was_given_and_why_it_refuses_it() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 8, state(1.0))
+    trie.release(seq)
+    hit = trie.match([*SSM_PROMPT[:8], 9])
+    with pytest.raises(InvalidType, match=r"^unpin takes a PinReceipt, got int$"):
+        trie.unpin(5)  # type: ignore[arg-type]
+    receipt = hit.match_receipt  # this cache's, but the match's: not from pin()
+    assert isinstance(receipt, PinReceipt)
+    with pytest.raises(PinError, match=r"was not issued by this cache's pin\(\)$"):
+        trie.unpin(receipt)
+    trie.release(hit)
+    trie.check()
+
+
+# ---------------------------------------------------------------------- save ([R25]-[R31])
+
+
+def test_save_without_ssm_says_checkpoints_are_disabled() -> None:
+    trie = host_trie()
+    seq = prefill(trie, A)
+    message = "save: SSM checkpoints are disabled (num_checkpoint_slots=0)"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+        trie.save(seq, 2, None)
+    trie.release(seq)
+
+
+def test_save_past_the_committed_blocks_counts_whole_blocks() -> None:
+    trie, _ = ssm_trie()
+    seq = trie.match(SSM_PROMPT)
+    trie.allocate(seq, 10)
+    trie.commit(seq, 6)  # one full block and two tokens of the next
+    message = f"save: step=8 anchors at block 2, but {seq!r} has committed only 1 blocks"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+        trie.save(seq, 8, state(1.0))
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_block_aligned_checkpoint_has_no_tail_identity() -> None:
+    """A checkpoint at a block boundary has an empty tail, so no extra identity of
+    the (absent) partial block, even when the request has one for that block."""
+    trie, _ = ssm_trie(manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT, extra=("a", "b", "c"))
+    trie.save(seq, 4, state(1.0))
+    trie.save(seq, 10, state(2.0))
+    tails = {
+        ck["step"]: (ck["tail"], ck["tail_extra"]) for ck in trie.snapshot()["checkpoints"].values()
+    }
+    assert tails == {4: ((), None), 10: ((3, 3), "c")}
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_save_at_the_same_step_with_another_tail_replaces_and_each_duplicate_counts() -> None:
+    trie, _ = ssm_trie(manual=False)
+    first = _ssm_prefill(trie, SSM_PROMPT)
+    assert trie.save(first, 10, state(1.0)) is not None
+    assert trie.save(first, 10, state(1.0)) is None  # [R25]: the same checkpoint
+    assert trie.save(first, 10, state(1.0)) is None
+    assert trie.stats.checkpoints_deduplicated == 2
+    trie.release(first)
+    second = _ssm_prefill(trie, [*SSM_PROMPT[:8], 7, 7])  # same anchor, another tail
+    assert trie.save(second, 10, state(2.0)) is not None  # replaces, not a duplicate
+    assert trie.stats.checkpoints_deduplicated == 2
+    (ck,) = trie.snapshot()["checkpoints"].values()
+    assert ck["tail"] == (7, 7)
+    trie.release(second)
+    trie.check()
+
+
+# --------------------------------------------------------------------- clear ([R22])
+
+
+def test_clear_refuses_while_an_explicit_pin_is_held() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 8, state(1.0))
+    trie.release(seq)
+    hit = trie.match([*SSM_PROMPT[:8], 9])
+    receipt = trie.pin(hit)
+    trie.release(hit)
+    before = trie.snapshot()
+    message = (
+        "clear: 0 live sequences, 0 copies in flight and 1 explicit pins must be finished first"
+    )
+    with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
+        trie.clear()
+    assert trie.snapshot() == before
+    trie.unpin(receipt)
+    trie.clear()
+    assert trie.snapshot()["checkpoints"] == {}
+    trie.check()
+
+
+def test_clear_counts_a_root_checkpoint_on_top_of_earlier_evictions() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 8, state(1.0))
+    assert trie.evict_checkpoints(1) == 1
+    assert trie.stats.evicted_checkpoints == 1
+    trie.save(seq, 2, state(2.0))  # anchored at the root
+    trie.release(seq)
+    trie.clear()
+    assert trie.stats.evicted_checkpoints == 2
+    assert trie.num_free_checkpoint_slots == 4
+    trie.check()
+
+
+def test_clear_keeps_write_back_for_later_evictions() -> None:
+    trie = host_trie(host_write="back")
+    trie.release(prefill(trie, A))
+    trie.clear()
+    assert trie.stats.stored_blocks == 0  # dropped, not stored
+    trie.release(prefill(trie, A))
+    assert trie.evict(3) == 3
+    assert trie.stats.stored_blocks == 3  # written back, as before the clear
+    assert set(residency(trie).values()) == {Residency.HOST.value}
+    trie.check()
+
+
+# ------------------------------------------------------------------- restore ([R32]-[R34])
+
+
+def test_restore_errors_name_the_checkpoint_and_what_to_do() -> None:
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    save = trie.save(seq, 10, state(1.0))
+    assert save is not None
+    trie.release(seq)
+    hit = trie.match([*SSM_PROMPT, 9, 9, 9])
+    trie.allocate(hit, 13)
+    trie.commit(hit, 12)  # commits block 2, where the frozen tail would be written
+    message = (
+        f"restore: {hit!r} already committed block 2, where the frozen tail "
+        "would be written; restore before prefill"
+    )
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+        trie.restore(hit, empty_state())
+    trie.release(hit)
+    other = trie.match([*SSM_PROMPT, 8])
+    assert other.restore is not None
+    ck = other.restore.checkpoint
+    copies.fail(save)  # withdraws the checkpoint other matched
+    message = f"restore: {ck!r} was withdrawn (its save copy failed); abort {other!r}"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)}$"):
+        trie.restore(other, empty_state())
+    trie.abort(other)
+    trie.poll()
+    trie.check()
+
+
+def test_restore_takes_a_private_block_only_for_a_frozen_tail_and_counts_each() -> None:
+    trie, _ = ssm_trie(manual=False)
+    aligned_seq = _ssm_prefill(trie, [4, 4, 4, 4, 5])
+    trie.save(aligned_seq, 4, state(3.0))
+    trie.release(aligned_seq)
+    aligned = trie.match([4, 4, 4, 4, 6])
+    assert aligned.num_cached_tokens == 4 and len(aligned.block_ids) == 1
+    free = trie.num_free_blocks
+    copy = trie.restore(aligned, empty_state())
+    assert copy.step == 4
+    assert len(aligned.block_ids) == 1 and trie.num_free_blocks == free  # no block taken
+    again = trie.match([4, 4, 4, 4, 7])
+    trie.restore(again, empty_state())
+    assert trie.stats.restores == 2
+    trie.release(again)
+    trie.release(aligned)
+    trie.check()
+
+
+def test_restore_of_a_frozen_tail_needs_exactly_one_free_block() -> None:
+    trie, _ = ssm_trie(num_blocks=4, manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 10, state(2.0))  # two blocks cached, one frozen tail
+    trie.release(seq)
+    hit = trie.match([*SSM_PROMPT, 9])  # holds the two blocks; the tail is pinned
+    assert trie.num_free_blocks == 1
+    tail = trie.restore(hit, empty_state())
+    assert tail.step == 10 and len(hit.block_ids) == 3 and trie.num_free_blocks == 0
+    trie.release(hit)
+    trie.check()
+
+
+class _FailingRestores(DeviceCopies):
+    """CPU copies; a restore copy fails when queued while `failing` is set."""
+
+    failing = True
+
+    def _start(self, copy: Copy) -> None:
+        if copy.kind == "restore" and self.failing:
+            raise RuntimeError("simulated restore failure")
+        super()._start(copy)
+
+
+def test_a_restore_that_fails_when_queued_can_be_tried_again() -> None:
+    engine = _FailingRestores()
+    trie, _ = ssm_trie(manual=False)
+    trie = BlockTrie(trie.config, copies=engine)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 10, state(1.0))
+    trie.release(seq)
+    hit = trie.match([*SSM_PROMPT, 9])
+    before = trie.snapshot()
+    with pytest.raises(CacheError, match="simulated restore failure"):
+        trie.restore(hit, empty_state())
+    assert hit.restored is False and hit.match_receipt is not None
+    assert rollback(before, trie.snapshot()) == []
+    engine.failing = False
+    runtime = empty_state()
+    trie.restore(hit, runtime)
+    assert hit.restored is True
+    assert torch.equal(runtime["ssm"], state(1.0)["ssm"])
+    trie.release(hit)
+    trie.check()
+
+
+# ------------------------------------------------------------------------ load ([R50])
+
+
+def _host_only(trie: BlockTrie, copies: ManualCopies) -> None:
+    """A's three blocks committed, stored and offloaded: host-only."""
+    trie.release(prefill(trie, A))
+    copies.complete_all()
+    trie.poll()
+    assert trie.evict(10) == 3
+
+
+def test_a_load_shared_with_two_loads_in_flight_finishes_after_both() -> None:
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    first = trie.match(A[:3])  # (1, 1)
+    c1 = trie.load(first)
+    second = trie.match(A[:5])  # (1, 1) shared with c1, (2, 2) its own
+    c2 = trie.load(second)
+    assert c1 is not None and c2 is not None and c1 is not c2
+    third = trie.match(A[:5])  # both blocks loading by others
+    wait = trie.load(third)
+    assert wait is not None
+    copies.complete(wait)
+    assert c1.done and c2.done
+    for seq in (first, second, third):
+        trie.release(seq)
+    trie.poll()
+    trie.check()
+
+
+def test_a_load_of_its_own_blocks_is_ordered_after_the_shared_load_it_waits_on() -> None:
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    other = trie.match([9, 9, 9, 9, 9])
+    trie.allocate(other, 5)  # the loads land in other device blocks than their host ids
+    first = trie.match(A[:3])
+    c1 = trie.load(first)
+    second = trie.match(A[:5])
+    c2 = trie.load(second)
+    assert c1 is not None and c2 is not None
+    copies.complete(c2)
+    assert c1.done, "the shared block's load must come first"
+    trie.poll()
+    trie.release(first)
+    trie.release(second)
+    trie.release(other)
+    trie.check()
+
+
+def test_loading_again_while_waiting_on_another_requests_load_returns_that_load() -> None:
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    first, second = trie.match(A), trie.match(A)
+    copy = trie.load(first)
+    assert copy is not None
+    assert trie.load(second) is copy
+    assert trie.load(second) is copy  # nothing new: still that load
+    copies.complete(copy)
+    trie.poll()
+    assert trie.load(second) is None
+    trie.release(first)
+    trie.release(second)
+    trie.check()
+
+
+def test_a_load_finished_before_the_request_loads_leaves_nothing_to_wait_on() -> None:
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    first, second = trie.match(A), trie.match(A)
+    copy = trie.load(first)
+    assert copy is not None
+    copies.complete(copy)
+    trie.poll()
+    assert trie.load(second) is None
+    assert second.num_cached_tokens == 6 and len(second.block_ids) == 3
+    trie.release(first)
+    trie.release(second)
+    trie.check()
+
+
+def test_commit_before_its_own_load_finishes_is_refused() -> None:
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    tokens = [*A[:6], 4, 4, 9]  # A's three blocks (on the host) and a new one
+    seq = trie.match(tokens)
+    copy = trie.load(seq)
+    assert copy is not None
+    trie.allocate(seq, 9)
+    message = f"commit: {seq!r} reads blocks that {copy!r} is loading; wait for it"
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.commit(seq, 8)
+    copies.complete(copy)
+    trie.poll()
+    trie.commit(seq, 8)
+    trie.release(seq)
+    trie.check()
+
+
+class _FailingLoads(DeviceCopies):
+    """CPU copies; a load copy fails when queued while `failing` is set."""
+
+    failing = True
+
+    def _start(self, copy: Copy) -> None:
+        if copy.kind == "load" and self.failing:
+            raise RuntimeError("simulated load failure")
+        super()._start(copy)
+
+
+def test_a_load_that_fails_when_queued_is_undone_and_can_be_tried_again() -> None:
+    engine = _FailingLoads()
+    trie = host_trie(copies=engine)
+    trie.release(prefill(trie, A))
+    assert trie.evict(2) == 2  # (2, 2) and (3, 3) host-only
+    seq = trie.match(A)
+    assert seq.num_host_tokens == 4
+    before = trie.snapshot()
+    blocks, free = list(seq.block_ids), trie.num_free_blocks
+    with pytest.raises(CacheError, match=r"^load: the copy failed and was undone: simulated"):
+        trie.load(seq)
+    after = trie.snapshot()
+    # The same blocks are free again (the free list's order may differ: LIFO).
+    assert sorted(after["free_blocks"]) == sorted(before["free_blocks"])
+    assert rollback({**before, "free_blocks": []}, {**after, "free_blocks": []}) == []  # type: ignore[typeddict-item]
+    assert list(seq.block_ids) == blocks and trie.num_free_blocks == free
+    assert set(residency(trie).values()) == {Residency.MIRRORED.value, Residency.HOST.value}
+    trie.check()
+    engine.failing = False
+    copy = trie.load(seq)
+    assert copy is not None and copy.done and not copy.failed  # CPU copies finish at once
+    assert len(seq.block_ids) == 3
+    trie.allocate(seq, 7)
+    trie.commit(seq, 6)
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_partial_checkpoint_replaced_at_its_anchor_reuses_its_frozen_tail() -> None:
+    """[R27]: a new partial checkpoint at the anchor of a partial one writes into the
+    old frozen tail block (one token of tail is enough), taking no new block."""
+    trie, _ = ssm_trie(manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 10, state(1.0))
+    (old,) = trie.snapshot()["checkpoints"].values()
+    free = trie.num_free_blocks
+    assert trie.save(seq, 9, state(2.0)) is not None  # same anchor, a one-token tail
+    (new,) = trie.snapshot()["checkpoints"].values()
+    assert (new["step"], new["frozen_block"]) == (9, old["frozen_block"])
+    assert trie.num_free_blocks == free
+    trie.release(seq)
+    trie.check()
+
+
+def test_save_takes_the_last_free_block_evicts_one_tail_or_skips_when_none_can_be_had() -> None:
+    """[R29]: a partial save needs one block: the last free one is taken; with none
+    free it evicts what it can (an unpinned frozen tail); with nothing to evict the
+    save is skipped and counted, each time."""
+    trie, copies = ssm_trie(num_blocks=4)
+    assert copies is not None
+    seq = trie.match(SSM_PROMPT)
+    trie.allocate(seq, 10)
+    trie.commit(seq, 10)  # the request holds 3 of the 4 blocks
+    assert trie.num_free_blocks == 1
+    first = trie.save(seq, 10, state(1.0))  # takes the last free block
+    assert first is not None and trie.num_free_blocks == 0
+    # Nothing evictable: the request holds its blocks, the save copy pins its tail.
+    assert trie.save(seq, 6, state(2.0)) is None
+    assert trie.save(seq, 6, state(2.0)) is None
+    assert trie.stats.checkpoints_skipped == 2
+    copies.complete(first)
+    trie.poll()  # the tail at step 10 is unpinned now: exactly one block to reclaim
+    second = trie.save(seq, 6, state(2.0))
+    assert second is not None
+    assert trie.stats.checkpoints_skipped == 2
+    assert {ck["step"] for ck in trie.snapshot()["checkpoints"].values()} >= {6}
+    copies.complete(second)
+    trie.poll()
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_save_with_no_free_slot_evicts_exactly_one_checkpoint_and_ticks_once() -> None:
+    """[R28]: one LRU checkpoint is evicted for the slot; [R31]: a save that queues a
+    copy ticks the clock once."""
+    trie, _ = ssm_trie(slots=2, manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 4, state(1.0))
+    trie.save(seq, 8, state(2.0))
+    assert trie.num_free_checkpoint_slots == 0
+    clock = trie.clock
+    assert trie.save(seq, 2, state(3.0)) is not None  # a third anchor: the root
+    assert trie.clock == clock + 1
+    assert trie.stats.evicted_checkpoints == 1
+    assert sorted(ck["step"] for ck in trie.snapshot()["checkpoints"].values()) == [2, 8]
+    trie.release(seq)
+    trie.check()
+
+
+class _FailingSaves(DeviceCopies):
+    """CPU copies; a save copy fails when queued."""
+
+    def _start(self, copy: Copy) -> None:
+        if copy.kind == "save":
+            raise RuntimeError("simulated save failure")
+        super()._start(copy)
+
+
+def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() -> None:
+    """[R6], [R11]: the root a save created for its namespace goes with the save."""
+    trie, _ = ssm_trie(manual=False)
+    trie = BlockTrie(trie.config, copies=_FailingSaves())
+    seq = trie.match([1, 2, 3], namespace="fresh")
+    trie.allocate(seq, 3)
+    trie.commit(seq, 3)  # no full block: the namespace has no root yet
+    before, clock = trie.snapshot(), trie.clock
+    with pytest.raises(CacheError, match="simulated save failure"):
+        trie.save(seq, 2, state(1.0))
+    after = trie.snapshot()
+    assert after["nodes"] == before["nodes"]
+    assert rollback(before, after) == [] and trie.clock == clock
+    trie.release(seq)
+    trie.check()
