@@ -259,13 +259,28 @@ def encode_batch(
 
     `ts` defaults to `time.time()`. Raises `TypeError` for an object that is
     not a `cache.events` event or an extra key msgpack cannot encode.
+
+    The bytes are those of `to_wire_event` for each event. A batch is first
+    encoded with its block hashes as they are (what `xxh3` chain values need:
+    they are 64-bit already), building each `BlockStored`'s struct inline;
+    only when msgpack refuses an int (a `vllm` 256-bit digest) is it encoded
+    again through `to_wire_event`, which publishes their low 64 bits.
     """
     events = events if isinstance(events, list) else list(events)
     # Every packed token id array of the batch in one numpy pass.
     packed = [
-        e.token_ids for e in events if type(e) is BlockStored and type(e.token_ids) is PackedTokens
+        e.token_ids.packed  # type: ignore[union-attr]
+        for e in events
+        if type(e) is BlockStored and type(e.token_ids) is PackedTokens
     ]
-    raw = iter(msgpack_uint_arrays([p.packed for p in packed])) if packed else iter(())
+    arrays = msgpack_uint_arrays(packed) if packed else []
+    stamp = time.time() if ts is None else float(ts)
+    try:
+        wire = _fast_wire(events, arrays, legacy)
+        return _encoder.encode(_Batch(stamp, wire, data_parallel_rank))
+    except (TypeError, OverflowError):
+        pass  # a hash past 64 bits, or a bad event: the exact path masks or reports it
+    raw = iter(arrays)
     wire = [
         to_wire_event(
             e,
@@ -278,8 +293,36 @@ def encode_batch(
         )
         for e in events
     ]
-    batch = _Batch(time.time() if ts is None else float(ts), wire, data_parallel_rank)
     try:
-        return _encoder.encode(batch)
+        return _encoder.encode(_Batch(stamp, wire, data_parallel_rank))
     except (TypeError, OverflowError) as exc:
         raise TypeError(f"cannot encode KV event batch: {exc}") from None
+
+
+def _fast_wire(events: list[Event], arrays: list[bytes], legacy: bool) -> list[object]:
+    """`to_wire_event` of each event, with `BlockStored` built inline and its block
+    hashes unmasked (msgpack raises `OverflowError` for one past 64 bits)."""
+    stored = _LegacyStored if legacy else _Stored
+    raw = iter(arrays)
+    wire: list[object] = []
+    append = wire.append
+    for e in events:
+        if type(e) is BlockStored:
+            hashes, _, parent, ids, size, namespace, medium, group, kind, extra, lora = e
+            append(
+                stored(
+                    hashes,
+                    None if parent is None else parent & MASK64,
+                    msgspec.Raw(next(raw)) if type(ids) is PackedTokens else ids,  # type: ignore[arg-type]
+                    size,
+                    lora,
+                    medium,
+                    namespace or None,
+                    None if extra is None else list(extra),
+                    group,
+                    kind,
+                )
+            )
+        else:
+            append(to_wire_event(e, legacy=legacy))
+    return wire
