@@ -29,7 +29,7 @@ when queued). Two kinds of move:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,9 +74,13 @@ class Copy:
     """
 
     __slots__ = (
+        "_block_resources",
         "_engine",
         "_event",
+        "_host_block_resources",
         "_on_fail",
+        "_resources",
+        "_slot_resources",
         "blocks",
         "failed",
         "host_blocks",
@@ -84,7 +88,6 @@ class Copy:
         "moves",
         "nodes",
         "receipts",
-        "resources",
         "serial",
         "state",
         "step",
@@ -97,8 +100,13 @@ class Copy:
         moves: list[Move],
         resources: Iterable[Resource],
         serial: int,
+        *,
+        blocks: Sequence[int] = (),
+        host_blocks: Sequence[int] = (),
     ) -> None:
-        """A copy of `moves` touching `resources`; built by the trie
+        """A copy of `moves` touching `resources`, plus the KV blocks `blocks` and the
+        host-tier blocks `host_blocks` (a store's or load's many blocks, kept as id
+        lists: `resources` builds their pairs only when asked); built by the trie
         (`cache.transfers`, `cache.host_tier`), not by users."""
         self.kind = kind
         """"save", "restore", "store" or "load"."""
@@ -109,8 +117,10 @@ class Copy:
         ``(src, dst)``) per checkpoint tensor and for the frozen tail; one `BlockMove`
         (pool tensors `src` / `dst`, block lists `src_ids` / `dst_ids`) for all the
         blocks of a store or load. Empty for ids-only pools."""
-        self.resources = frozenset(resources)
-        """The blocks and slots it touches: copies sharing one run in queue order."""
+        self._slot_resources = tuple(resources)
+        self._block_resources = blocks
+        self._host_block_resources = host_blocks
+        self._resources: frozenset[Resource] | None = None
         self.serial = serial
         """Per-trie creation counter."""
         self.receipts: list[PinReceipt] = []
@@ -129,6 +139,22 @@ class Copy:
         self._on_fail: Callable[[Copy], None] | None = None
         self._event: torch.cuda.Event | None = None
         self._engine: CopyEngine | None = None
+
+    @property
+    def resources(self) -> frozenset[Resource]:
+        """The blocks and slots it touches: copies sharing one run in queue order.
+        Built on first use (most copies are never compared with another)."""
+        resources = self._resources
+        if resources is None:
+            resources = frozenset(
+                [
+                    *self._slot_resources,
+                    *(("block", b) for b in self._block_resources),
+                    *(("host_block", b) for b in self._host_block_resources),
+                ]
+            )
+            self._resources = resources
+        return resources
 
     @property
     def done(self) -> bool:

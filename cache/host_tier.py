@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache.copies import Copy, Resource, block_moves
+from cache.copies import Copy, block_moves
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
@@ -208,12 +208,10 @@ class HostTier:
         becomes `storing`; the copy holds a reference on both blocks of each
         until it is reaped.
         """
-        moves = block_moves(
-            self._kv.tensor, [n.block for n in nodes], self.pool.tensor, [n.host for n in nodes]
-        )
-        resources: list[Resource] = [("block", node.block) for node in nodes]
-        resources += [("host_block", node.host) for node in nodes]
-        return Copy(_STORE, 0, moves, resources, 0)
+        blocks = [n.block for n in nodes]
+        host_blocks = [n.host for n in nodes]
+        moves = block_moves(self._kv.tensor, blocks, self.pool.tensor, host_blocks)
+        return Copy(_STORE, 0, moves, (), 0, blocks=blocks, host_blocks=host_blocks)
 
     def begin_store(self, node: Node, host_block: int) -> None:
         """`node` (residency `device`) will be copied into `host_block`."""
@@ -257,13 +255,12 @@ class HostTier:
     def load_moves(self, nodes: list[Node], waits_on: list[int]) -> Copy:
         """The load copy for `nodes` (host -> their new device blocks), ordered after
         the copies loading the device blocks `waits_on`."""
-        moves = block_moves(
-            self.pool.tensor, [n.host for n in nodes], self._kv.tensor, [n.block for n in nodes]
+        blocks = [n.block for n in nodes]
+        host_blocks = [n.host for n in nodes]
+        moves = block_moves(self.pool.tensor, host_blocks, self._kv.tensor, blocks)
+        return Copy(
+            CopyKind.LOAD.value, 0, moves, (), 0, blocks=waits_on + blocks, host_blocks=host_blocks
         )
-        resources: list[Resource] = [("block", b) for b in waits_on]
-        for node in nodes:
-            resources += [("block", node.block), ("host_block", node.host)]
-        return Copy(CopyKind.LOAD.value, 0, moves, resources, 0)
 
     def loaded(self, copy: Copy) -> list[Node]:
         """A load copy was reaped: its nodes are `mirrored`, or, if it failed, `host`

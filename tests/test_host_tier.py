@@ -156,6 +156,32 @@ def committed_with_its_store_pending(**kw: object) -> tuple[BlockTrie, ManualCop
     return trie, copies, store
 
 
+def test_store_and_load_copies_name_every_block_they_touch() -> None:
+    """`Copy.resources` (built on first use from the copy's id lists) names each
+    device block and host block a store or load reads or writes, and a load
+    also the device blocks of the loads it is ordered after."""
+    trie, copies, store = committed_with_its_store_pending()
+    nodes = trie.snapshot()["nodes"].values()
+    pairs = [(n["block"], n["block_host"]) for n in nodes if n["block"] is not None]
+    assert len(pairs) == 3
+    expected = {("block", d) for d, _ in pairs} | {("host_block", h) for _, h in pairs}
+    assert store.resources == expected
+    assert store.resources is store.resources  # built once
+    copies.complete(store)
+    trie.poll()
+    assert trie.evict(10) == 3
+    seq = trie.match(A)
+    load = trie.load(seq)
+    assert load is not None and load.kind == "load"
+    device = seq.block_ids[:3]
+    hosts = [h for _, h in pairs]
+    assert load.resources == {("block", b) for b in device} | {("host_block", h) for h in hosts}
+    copies.complete(load)
+    trie.poll()
+    trie.release(seq)
+    trie.check()
+
+
 def test_a_storing_block_is_not_evictable_nor_loadable_until_its_copy_is_reaped() -> None:
     trie, copies, store = committed_with_its_store_pending()
     assert set(residency(trie).values()) == {Residency.STORING.value}
