@@ -11,13 +11,23 @@ DEALER client) with every buffered batch whose sequence number is
 bytes), b""]``.
 
 Never blocks the caller: `publish` encodes the batch (so a bad event raises
-in the caller) and puts the bytes on a bounded queue that a sender thread
-drains. When the queue is full the batch is dropped: counted in
-`dropped_batches` / `dropped_events` and logged (at the 1st, 2nd, 4th, 8th...
-drop), and its sequence number is still consumed, so a subscriber sees the
-gap (which replay cannot fill: the consumer must resynchronise). ZMQ itself
-drops messages for a subscriber past its high-water mark; the subscriber sees
-that as a gap too and can replay it while it is buffered.
+in the caller), then hands it to the PUB socket itself when the socket is free
+and nothing is waiting (a non-blocking send: PUB drops past its high-water
+mark instead of waiting), or else puts it on a bounded queue that a sender
+thread drains in order. The socket is free unless the sender thread is
+draining that queue or answering a replay request; sending in the caller saves
+a thread hand-off per batch, which cost more than the send itself. When the
+queue is full the batch is dropped: counted in `dropped_batches` /
+`dropped_events` and logged (at the 1st, 2nd, 4th, 8th... drop), and its
+sequence number is still consumed, so a subscriber sees the gap (which replay
+cannot fill: the consumer must resynchronise). ZMQ itself drops messages for
+a subscriber past its high-water mark; the subscriber sees that as a gap too
+and can replay it while it is buffered.
+
+Ordering: batches reach the socket in sequence order. A sequence number is
+taken, and the batch sent or queued, under one lock; the caller sends only
+when the queue is empty and it holds the socket lock, and the thread takes a
+batch off the queue only while it holds the socket lock, until it is sent.
 """
 
 from __future__ import annotations
@@ -25,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -105,11 +114,19 @@ class KVEventPublisher:
         """Events in the dropped batches."""
         self._topic = topic.encode("utf-8")
         self._seq = itertools.count()
-        self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_batches)
+        self._queue_batches = queue_batches
+        # Batches waiting for the sender thread, in sequence order.
+        self._queue: deque[tuple[int, bytes]] = deque()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._wake = threading.Event()  # set while `_queue` may hold batches, or on close
         self._stop = threading.Event()
         self._closed = False
-        self._lock = threading.Lock()  # publish may be called from several threads
+        # Sequence numbers, the queue and `_closed`: publish may be called from
+        # several threads. Taken before `_socket_lock` (never waited for under it).
+        self._lock = threading.Lock()
+        # Whoever holds it may use the sockets and `_buffer` (ZMQ sockets are not
+        # thread-safe; a lock hand-over is the memory barrier ZMQ asks for).
+        self._socket_lock = threading.Lock()
 
         self._ctx = zmq.Context()
         self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
@@ -135,8 +152,6 @@ class KVEventPublisher:
                 self._replay.close(linger=0)
             self._ctx.term()
             raise
-        # The sockets are used only by the sender thread from here on (ZMQ
-        # sockets are not thread-safe).
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
@@ -148,10 +163,13 @@ class KVEventPublisher:
     # ----------------------------------------------------------------- API
 
     def publish(self, events: Iterable[Event], *, ts: float | None = None) -> bool:
-        """Queue one batch of `events`; False when it was dropped (queue full).
+        """Send or queue one batch of `events`; False when it was dropped (queue full).
 
-        An empty batch is not sent (returns True). Raises `RuntimeError` after
-        `close`, `TypeError` for an object that is not an event.
+        Sent before returning when the socket is free and no batch is queued
+        (`published_batches` has counted it); queued for the sender thread
+        otherwise. An empty batch is not sent (returns True). Raises
+        `RuntimeError` after `close`, `TypeError` for an object that is not an
+        event.
         """
         if self._closed:
             raise RuntimeError("KVEventPublisher is closed")
@@ -162,14 +180,22 @@ class KVEventPublisher:
             evs, ts=ts, data_parallel_rank=self.data_parallel_rank, legacy=self.legacy
         )
         with self._lock:
+            if self._closed:  # closed while encoding
+                raise RuntimeError("KVEventPublisher is closed")
             seq = next(self._seq)
-            try:
-                self._queue.put_nowait((seq, payload))
+            if not self._queue and self._socket_lock.acquire(blocking=False):
+                try:
+                    self._send(seq, payload)
+                finally:
+                    self._socket_lock.release()
                 return True
-            except queue.Full:
-                self.dropped_batches += 1
-                self.dropped_events += len(evs)
-                n = self.dropped_batches
+            if len(self._queue) < self._queue_batches:
+                self._queue.append((seq, payload))
+                self._wake.set()
+                return True
+            self.dropped_batches += 1
+            self.dropped_events += len(evs)
+            n = self.dropped_batches
         if n & (n - 1) == 0:
             log.warning(
                 "KV event queue full: dropped batch %d (%d batches / %d events dropped so far); "
@@ -185,10 +211,12 @@ class KVEventPublisher:
 
         Idempotent.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():  # pragma: no cover - a wedged socket
             log.error("KV event publisher thread did not stop within %.1f s", timeout)
@@ -209,30 +237,45 @@ class KVEventPublisher:
     @property
     def queued_batches(self) -> int:
         """Batches waiting for the sender thread."""
-        return self._queue.qsize()
+        return len(self._queue)
 
     # -------------------------------------------------------------- thread
 
     def _run(self) -> None:
+        """Send queued batches in order and answer replay requests, until closed."""
         try:
+            # Without a replay socket there is nothing to poll: sleep until woken.
+            timeout = None if self._replay is None else _POLL_S
             while True:
-                if self._replay is not None:
-                    self._serve_replays(self._replay)
-                try:
-                    seq, payload = self._queue.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if self._stop.is_set():
-                        break
-                    continue
-                self._send(seq, payload)
+                self._wake.wait(timeout)
+                stopping = self._stop.is_set()  # read first: a close queues nothing after it
+                with self._socket_lock:
+                    self._send_queued()
+                    if self._replay is not None:
+                        self._serve_replays(self._replay)
+                if stopping:
+                    break
         except Exception:  # pragma: no cover - logged, never silent
             log.exception("KV event publisher thread failed")
         finally:
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            with self._socket_lock:
+                self._pub.close(linger=0)
+                if self._replay is not None:
+                    self._replay.close(linger=0)
+
+    def _send_queued(self) -> None:
+        """Send every queued batch; the caller holds `_socket_lock`."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    if not self._stop.is_set():
+                        self._wake.clear()
+                    return
+                seq, payload = self._queue.popleft()
+            self._send(seq, payload)
 
     def _send(self, seq: int, payload: bytes) -> None:
+        """Hand one batch to the PUB socket and keep it for replay; needs `_socket_lock`."""
         seq_bytes = seq.to_bytes(8, "big")
         # PUB never blocks: past the HWM, ZMQ drops for that subscriber.
         with contextlib.suppress(zmq.Again):

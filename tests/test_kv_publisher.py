@@ -182,31 +182,71 @@ def test_publish_without_subscriber_never_blocks() -> None:
     assert pub.dropped_batches + pub.published_batches == 5_000
 
 
-def test_full_queue_drops_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    ready = threading.Event()
+def _busy_sender(pub: KVEventPublisher) -> tuple[threading.Event, threading.Event]:
+    """Make the sender thread hold the socket (as while it answers a long replay)
+    until the returned `release` is set; `busy` is set once it holds it."""
+    busy = threading.Event()
     release = threading.Event()
-    pub = KVEventPublisher(LOOP, queue_batches=2)
-    orig_send = pub._send
+    orig_serve = pub._serve_replays
 
-    def slow_send(seq: int, payload: bytes) -> None:  # a sender stuck behind a slow socket
-        ready.set()
+    def slow_serve(replay: zmq.Socket[bytes]) -> None:
+        busy.set()
         release.wait(5)
-        orig_send(seq, payload)
+        orig_serve(replay)
 
-    pub._send = slow_send  # type: ignore[method-assign]
+    pub._serve_replays = slow_serve  # type: ignore[method-assign]
+    return busy, release
+
+
+def test_publish_sends_in_the_caller_when_the_socket_is_free() -> None:
+    with KVEventPublisher(LOOP) as pub:
+        for i in range(3):
+            assert pub.publish(_batch(i))
+            assert pub.published_batches == i + 1  # handed to ZMQ before returning
+            assert pub.queued_batches == 0
+        assert pub._thread.is_alive()  # the thread is there for queued batches and replays
+
+
+def test_full_queue_drops_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    pub = KVEventPublisher(LOOP, replay_endpoint=LOOP, queue_batches=2)
+    busy, release = _busy_sender(pub)
     with caplog.at_level(logging.WARNING, logger="cache.kv_publisher"):
-        assert pub.publish(_batch(0))
-        assert ready.wait(5)  # the thread holds batch 0; the queue is empty again
+        assert busy.wait(5)  # the thread holds the socket: publish must queue
         t0 = time.perf_counter()
-        results = [pub.publish(_batch(i)) for i in range(1, 10)]
+        results = [pub.publish(_batch(i)) for i in range(9)]
         assert time.perf_counter() - t0 < 1.0  # dropping, not waiting
+        assert pub.queued_batches == 2 and pub.published_batches == 0
     release.set()
     pub.close()
     assert results[:2] == [True, True] and not any(results[2:])
     assert pub.dropped_batches == 7 and pub.dropped_events == 14
-    assert pub.published_batches == 3
+    assert pub.published_batches == 2  # close sent what was queued
     warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(warnings) == 3  # the 1st, 2nd and 4th drop: logged, not flooded
+
+
+def test_batches_keep_their_order_when_the_sender_is_busy(ctx: Ctx) -> None:
+    """Sent inline, queued behind a busy sender, then inline again: a subscriber
+    sees every sequence number once, in order (a publish never overtakes the queue)."""
+    with KVEventPublisher(LOOP, replay_endpoint=LOOP) as pub:
+        sub = _sub(ctx, pub.endpoint)
+        _wait_joined(pub, sub)
+        for i in range(3):
+            pub.publish(_batch(i))  # inline (or queued while the thread polls for replays)
+        with pub._socket_lock:  # as while the sender thread is busy
+            for i in range(3, 8):
+                pub.publish(_batch(i))  # queued: the socket is held
+            assert pub.queued_batches >= 5
+        # The socket is free now but batches are still queued: these must queue
+        # behind them (this thread keeps the GIL, so the sender has not drained yet).
+        for i in range(8, 40):
+            pub.publish(_batch(i))
+        msgs = _recv_real(sub, 40)
+        seqs = [int.from_bytes(m[1], "big") for m in msgs]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 40
+        assert [_decode(m[2])[1][0]["block_hashes"] for m in msgs] == [[i] for i in range(40)]
+        assert pub.dropped_batches == 0
+        sub.close(linger=0)
 
 
 def test_close_is_clean_and_idempotent() -> None:
