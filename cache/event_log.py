@@ -278,12 +278,25 @@ class EventLog:
         """Return and forget the events emitted since the last drain."""
         events = self._events
         self._events = []
-        replay(events, self._drained_view)
-        replay(events, self._drained_checkpoints, group_idx=CHECKPOINT_GROUP)
-        replay(events, self._drained_host, medium=MEDIUM_CPU)
-        replay(
-            events, self._drained_host_checkpoints, group_idx=CHECKPOINT_GROUP, medium=MEDIUM_CPU
-        )
+        # `cache.events.replay` into each drained view, in one pass over the events.
+        views = {
+            (KV_GROUP, MEDIUM_GPU): self._drained_view,
+            (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
+            (KV_GROUP, MEDIUM_CPU): self._drained_host,
+            (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
+        }
+        for event in events:
+            if type(event) is BlockStored:
+                view = views.get((event.group_idx, event.medium))
+                if view is not None:
+                    view.update(event.block_ids)
+            elif type(event) is BlockRemoved:
+                view = views.get((event.group_idx, event.medium))
+                if view is not None:
+                    view.difference_update(event.block_ids)
+            else:
+                for view in views.values():
+                    view.clear()
         return events
 
     def replayed_blocks(self) -> set[int] | None:
