@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cache.config import CacheConfig
+    from cache.config import CacheConfig, HostTierUnusedWarning
     from cache.copies import Copy, CopyEngine, DeviceCopies, ManualCopies
     from cache.errors import (
         AllocationFailed,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from cache.trie import BlockTrie
 
 _HOME: dict[str, str] = {
-    "CacheConfig": "cache.config",
+    **dict.fromkeys(("CacheConfig", "HostTierUnusedWarning"), "cache.config"),
     **dict.fromkeys(("Copy", "CopyEngine", "DeviceCopies", "ManualCopies"), "cache.copies"),
     **dict.fromkeys(
         (
@@ -100,6 +100,7 @@ __all__ = [
     "DeviceCopies",
     "Event",
     "HostTierError",
+    "HostTierUnusedWarning",
     "IllegalTransition",
     "InvalidArgument",
     "InvalidType",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,14 @@ def _shape(name: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(d) is int and d > 0 for d in value):
         raise ConfigError(f"CacheConfig.{name} must be a tuple of positive ints, got {value!r}")
     return tuple(value)
+
+
+class HostTierUnusedWarning(UserWarning):
+    """A `CacheConfig` with a KV host tier (`num_host_blocks` > 0) and SSM checkpoints:
+    the host tier is written through but never read. An SSM hit ends at a
+    checkpoint on a device-resident block, and offloading a block drops its
+    checkpoint from both tiers, so no hit reaches host-resident KV (docs/host-tier.md,
+    "What is not there yet"). The configuration is still valid and consistent."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,16 @@ class CacheConfig:
             raise ConfigError(
                 f"CacheConfig.block_hash must be one of {BLOCK_HASH_SCHEMES}, "
                 f"got {self.block_hash!r}"
+            )
+        if self.num_host_blocks > 0 and self.num_checkpoint_slots > 0:
+            warnings.warn(
+                "CacheConfig: num_host_blocks > 0 with SSM checkpoints "
+                "(num_checkpoint_slots > 0) stores KV to the host but never serves it: an SSM "
+                "hit ends at a checkpoint, and a block offloaded to the host loses its "
+                "checkpoint. Set num_host_blocks=0; num_host_checkpoint_slots keeps "
+                "checkpoints in host memory",
+                HostTierUnusedWarning,
+                stacklevel=3,  # the caller of CacheConfig(...), through __init__
             )
 
     @property

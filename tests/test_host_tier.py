@@ -7,6 +7,8 @@ claims to hold.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from cache import (
     ConfigError,
     Copy,
     HostTierError,
+    HostTierUnusedWarning,
     InvalidArgument,
     ManualCopies,
     OutOfBlocks,
@@ -705,3 +708,30 @@ def test_the_cascade_guard_names_a_device_block_below_a_device_leaf() -> None:
     with pytest.raises(InvariantViolation, match=r"residency.*below a device leaf") as err:
         trie.evict(1)
     assert repr(below) in str(err.value)
+
+
+def test_a_host_tier_with_ssm_checkpoints_warns_that_it_is_never_read() -> None:
+    """[R56]'s consequence, stated at configuration time: with SSM checkpoints a hit ends
+    at a checkpoint, and a block offloaded to the host loses its checkpoint, so the
+    KV host tier is written through and never read. The warning names the caller's line."""
+    with pytest.warns(HostTierUnusedWarning, match="never serves") as caught:
+        config = CacheConfig(block_size=B, num_blocks=4, num_host_blocks=8, num_checkpoint_slots=2)
+    assert [w.filename for w in caught] == [__file__]
+    trie = BlockTrie(config)
+    seq = trie.match([1, 2, 3, 4])
+    trie.allocate(seq, 4)
+    trie.commit(seq, 4)
+    assert trie.save(seq, 4, None) is not None
+    trie.release(seq)
+    trie.poll()
+    assert trie.num_host_cached_blocks == 2  # written through
+    assert trie.evict(2) == 2  # offloaded: the blocks stay on the host...
+    assert trie.num_host_cached_blocks == 2 and trie.num_host_checkpoints == 0
+    again = trie.match([1, 2, 3, 4, 5])
+    assert again.num_cached_tokens == 0 and again.num_host_tokens == 0  # ...and are never read
+    trie.abort(again)
+    trie.check()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # either tier alone does not warn
+        CacheConfig(block_size=B, num_blocks=4, num_host_blocks=8)
+        CacheConfig(block_size=B, num_blocks=4, num_checkpoint_slots=2, num_host_checkpoint_slots=2)
