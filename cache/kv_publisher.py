@@ -185,10 +185,11 @@ class KVEventPublisher:
             seq = next(self._seq)
             if not self._queue and self._socket_lock.acquire(blocking=False):
                 try:
-                    self._send(seq, payload)
+                    if not self._pub.closed:  # closed only by a failed sender thread
+                        self._send(seq, payload)
+                        return True
                 finally:
                     self._socket_lock.release()
-                return True
             if len(self._queue) < self._queue_batches:
                 self._queue.append((seq, payload))
                 self._wake.set()
@@ -255,7 +256,7 @@ class KVEventPublisher:
                         self._serve_replays(self._replay)
                 if stopping:
                     break
-        except Exception:  # pragma: no cover - logged, never silent
+        except Exception:  # logged, never silent; publish then queues, and drops when full
             log.exception("KV event publisher thread failed")
         finally:
             with self._socket_lock:

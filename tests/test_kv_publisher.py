@@ -249,6 +249,27 @@ def test_batches_keep_their_order_when_the_sender_is_busy(ctx: Ctx) -> None:
         sub.close(linger=0)
 
 
+def test_a_failed_sender_thread_is_logged_and_publish_degrades_to_drops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """If the sender thread dies (here: answering a replay raises), its sockets close;
+    `publish` must neither raise nor send on a closed socket: it queues, then drops
+    and counts, as with a stuck sender."""
+    pub = KVEventPublisher(LOOP, replay_endpoint=LOOP, queue_batches=2)
+
+    def broken(replay: zmq.Socket[bytes]) -> None:
+        raise RuntimeError("replay socket broke")
+
+    with caplog.at_level(logging.ERROR, logger="cache.kv_publisher"):
+        pub._serve_replays = broken  # type: ignore[method-assign]
+        pub._thread.join(5)
+    assert not pub._thread.is_alive()
+    assert any("thread failed" in r.getMessage() for r in caplog.records)
+    assert [pub.publish(_batch(i)) for i in range(4)] == [True, True, False, False]
+    assert pub.published_batches == 0 and pub.dropped_batches == 2
+    pub.close()
+
+
 def test_close_is_clean_and_idempotent() -> None:
     before = {t.ident for t in threading.enumerate()}
     pub = KVEventPublisher(LOOP, replay_endpoint=LOOP)
