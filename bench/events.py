@@ -18,7 +18,7 @@ published batch, as an engine draining events once per step would):
 - ``build``: building the `BlockStored` tuples a commit emits (token ids as
   `PackedTokens` over the joined keys);
 - ``encode``: `encode_batch` of those events;
-- ``publish``: `KVEventPublisher.publish` (encode + enqueue, caller side) on
+- ``publish``: `KVEventPublisher.publish` (encode, then send or enqueue; caller side) on
   loopback with no subscriber, and ``publish_e2e``: until the sender thread
   has handed every batch to ZMQ (what the process pays in total);
 - ``blocktrie_events``: the same BlockTrie loop with events on (``xxh3``),
@@ -243,7 +243,7 @@ def print_events(r: dict[str, Any], emit: Callable[[str], object] = print) -> No
         ("hash vllm (sha256/CBOR)", r["hash"]["vllm"]),
         ("build BlockStored", r["build"]),
         ("encode_batch", r["encode"]),
-        ("publish (caller: encode + enqueue)", r["publish"]),
+        ("publish (caller: encode + send or enqueue)", r["publish"]),
         ("publish end to end (until sent)", r["publish_e2e"]),
         ("parts alone (xxh3 + build + publish e2e)", r["events_per_block"]),
     ]
