@@ -19,11 +19,12 @@ published batch, as an engine draining events once per step would):
   `PackedTokens` over the joined keys);
 - ``encode``: `encode_batch` of those events;
 - ``publish``: `KVEventPublisher.publish` (encode, then send or enqueue; caller side) on
-  loopback with no subscriber, and ``publish_e2e``: until the sender thread
-  has handed every batch to ZMQ (what the process pays in total);
+  loopback with no subscriber, and ``publish_e2e``: until every batch has
+  been handed to ZMQ, by the caller or the sender thread (what the process
+  pays in total);
 - ``blocktrie_events``: the same BlockTrie loop with events on (``xxh3``),
   draining every `commits_per_batch` commits and publishing each batch on
-  loopback, until the sender thread has sent everything: what an engine
+  loopback, until everything has been sent: what an engine
   pays in total;
 - ratios: ``events_over_blocktrie`` = (``blocktrie_events`` - ``blocktrie``)
   / ``blocktrie``, the median over `repeat` interleaved rounds (each round
