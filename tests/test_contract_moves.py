@@ -240,3 +240,28 @@ def test_an_index_for_cuda_is_pinned_and_moved_without_blocking(
     calls.clear()
     meta = move._index([2], torch.device("meta"))  # another device: sent, not pinned
     assert meta == ("on", torch.device("meta")) and [c[0] for c in calls] == ["to"]
+
+
+def test_a_store_from_another_device_gathers_there_then_copies_run_by_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A move whose source is not on the CPU (`meta` standing in for CUDA) takes the
+    device -> host path with both pools as word views and the pairs in destination
+    order, cut into destination runs."""
+    seen: list[tuple[Any, ...]] = []
+
+    def spy(self: BlockMove, *args: Any) -> None:
+        seen.append(args)
+
+    monkeypatch.setattr(BlockMove, "_to_other_device", spy)
+    monkeypatch.setattr(BlockMove, "_from_host", lambda *a: pytest.fail("not a load"))
+    monkeypatch.setattr(BlockMove, "_same_device", lambda *a: pytest.fail("two devices"))
+    src = torch.empty((40, 4, 3), dtype=torch.float16, device="meta")
+    dst = pool(40)
+    BlockMove(src, [30, 2, 17, 5, 11], dst, [21, 3, 20, 4, 9]).run()
+    ((s, s_ids, d, d_ids, runs),) = seen
+    assert s.device.type == "meta" and _layout(s) == (torch.int64, (40, 3))
+    assert d.device.type == "cpu" and _layout(d) == (torch.int64, (40, 3))
+    assert d.data_ptr() == dst.data_ptr()
+    assert d_ids == [3, 4, 9, 20, 21] and s_ids == [2, 5, 11, 17, 30]
+    assert runs == [(0, 2), (2, 1), (3, 2)]
