@@ -24,6 +24,7 @@ import torch
 
 from cache.copies import Copy, DeviceCopies, ManualCopies
 from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
+from spec.lifecycle import CopyTrigger
 
 
 class _Log:
@@ -234,3 +235,23 @@ def test_a_failed_copy_can_neither_complete_nor_be_waited_for() -> None:
         InvalidArgument, match=r"^<Copy #4 save step=1 queued> was not queued on this ManualCopies$"
     ):
         engine.complete(stranger)
+
+
+def test_a_failed_cuda_copy_keeps_its_temporaries_until_reaped(fake_cuda: _Log) -> None:
+    """A CUDA copy declared failed may still be running on the side stream: its moves
+    release their temporaries only when the trie reaps it."""
+    log = fake_cuda
+    copies, _ = _engine(log)
+    move = _Move(log, _Tensor(log, True))
+    copy = Copy("load", 0, [move], [], 3)
+    assert copy.failed is False and copy.state == "queued"
+    copies.queue(copy)
+    log.calls.clear()
+    copies.fail(copy)
+    assert copy.failed is True and copy.state == "failed" and copy.done
+    assert log.calls == [], "nothing released while the stream may still write"
+    assert copies.collect() == [copy]
+    assert log.calls == []
+    copy.fire(CopyTrigger.REAP)
+    assert copy.state == "reaped" and copy.failed is True
+    assert log.calls == [("release", move)]
