@@ -1,0 +1,257 @@
+"""Contract details of `cache.copies` (mutation survivors).
+
+`DeviceCopies` on a CUDA device, against a fake CUDA runtime (this host has no
+CUDA; the fake records every stream and event call): a copy is queued on the
+engine's side stream of the pools' device, which first waits for that
+device's current stream; its moves run inside the side stream, every CUDA
+tensor they touch is recorded on it, and an event recorded after them decides
+when the copy is done (its temporaries are released then). `wait()` blocks
+the host on the event when a host tensor is read or written (stores, saves
+and restores of host tensors), and only makes the device's current stream
+wait when not (loads, device-only copies).
+
+The engines' refusals name the engine and the copy exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cache.copies import Copy, DeviceCopies, ManualCopies
+from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
+from spec.lifecycle import CopyTrigger
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.active: list[Any] = []  # the stream context stack
+        self.current: dict[Any, _Stream] = {}
+
+
+class _Stream:
+    def __init__(self, log: _Log, device: Any = None, name: str = "side") -> None:
+        self.log, self.device, self.name = log, device, name
+
+    def wait_stream(self, other: Any) -> None:
+        self.log.calls.append(("wait_stream", self, other))
+
+    def wait_event(self, event: Any) -> None:
+        self.log.calls.append(("wait_event", self, event))
+
+    def __repr__(self) -> str:
+        return f"<{self.name} stream {self.device}>"
+
+
+class _Event:
+    def __init__(self, log: _Log) -> None:
+        self.log, self.fired, self.stream = log, False, None
+        log.calls.append(("event",))
+
+    def record(self, stream: Any) -> None:
+        self.stream = stream
+        self.log.calls.append(("record", stream))
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.log.calls.append(("synchronize", self))
+
+
+class _Tensor:
+    """A long-lived tensor a move touches: on the device or on the host."""
+
+    def __init__(self, log: _Log, is_cuda: bool) -> None:
+        self.log, self.is_cuda = log, is_cuda
+
+    def record_stream(self, stream: Any) -> None:
+        self.log.calls.append(("record_stream", self, stream))
+
+
+class _Move:
+    def __init__(self, log: _Log, *tensors: _Tensor) -> None:
+        self.log, self._tensors = log, tensors
+
+    def run(self) -> None:
+        self.log.calls.append(("run", self, self.log.active[-1] if self.log.active else None))
+
+    def tensors(self) -> tuple[Any, ...]:
+        return self._tensors
+
+    def release(self) -> None:
+        self.log.calls.append(("release", self))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _Log:
+    log = _Log()
+
+    def current_stream(device: Any = None) -> _Stream:
+        if device not in log.current:
+            log.current[device] = _Stream(log, device, "current")
+        return log.current[device]
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Iterator[None]:
+        log.active.append(s)
+        try:
+            yield
+        finally:
+            log.active.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream(log, device))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    return log
+
+
+CUDA1 = torch.device("cuda", 1)
+
+
+def _engine(log: _Log) -> tuple[DeviceCopies, _Stream]:
+    copies = DeviceCopies()
+    copies.bind(CUDA1)
+    side = copies._stream
+    assert isinstance(side, _Stream) and side.device == CUDA1
+    return copies, side
+
+
+def test_a_cuda_copy_runs_on_the_side_stream_and_finishes_with_its_event(
+    fake_cuda: _Log,
+) -> None:
+    log = fake_cuda
+    copies, side = _engine(log)
+    assert log.calls == [], "binding creates the side stream only"
+    device_t, host_t = _Tensor(log, True), _Tensor(log, False)
+    first, second = _Move(log, device_t, host_t), _Move(log, device_t)
+    copy = Copy("store", 0, [first, second], [], 7)
+    copies.queue(copy)
+    current = log.current[CUDA1]
+    event = copy._event
+    assert isinstance(event, _Event) and event.stream is side
+    assert log.calls == [
+        ("wait_stream", side, current),  # after the work already queued on the device
+        ("run", first, side),
+        ("run", second, side),
+        ("record_stream", device_t, side),  # CUDA tensors only, once per move
+        ("record_stream", device_t, side),
+        ("event",),
+        ("record", side),
+    ]
+    log.calls.clear()
+    assert not copy.done and copy.state == "queued"
+    assert copies.collect() == [] and log.calls == []
+    event.fired = True
+    assert copies.collect() == [copy]
+    assert copy.done and copy.state == "finished"
+    assert log.calls == [("release", first), ("release", second)], "temporaries dropped"
+    assert copies.collect() == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "host_tensor", "blocks_host"),
+    [
+        ("store", True, True),  # writes the host pool: the host waits
+        ("save", True, True),  # a host tensor read or written
+        ("restore", False, False),  # device tensors only: the device stream waits
+        ("load", True, False),  # reads the host tier only: the device stream waits
+    ],
+)
+def test_waiting_for_a_cuda_copy_blocks_the_host_only_for_host_tensors(
+    fake_cuda: _Log, kind: str, host_tensor: bool, blocks_host: bool
+) -> None:
+    log = fake_cuda
+    copies, _ = _engine(log)
+    move = _Move(log, _Tensor(log, True), _Tensor(log, not host_tensor))
+    copy = Copy(kind, 0, [move], [], 1)
+    copies.queue(copy)
+    log.calls.clear()
+    copy.wait()
+    event = copy._event
+    if blocks_host:
+        assert log.calls == [("synchronize", event)]
+    else:
+        assert log.calls == [("wait_event", log.current[CUDA1], event)]
+        assert log.current[CUDA1].device == CUDA1, "the pools' device's current stream"
+
+
+def test_an_engine_binds_once_and_names_itself_when_bound_again() -> None:
+    for engine in (DeviceCopies(), ManualCopies()):
+        engine.bind(torch.device("cpu"))
+        name = type(engine).__name__
+        with pytest.raises(CacheError, match=rf"^{name} is already bound to another BlockTrie$"):
+            engine.bind(torch.device("cpu"))
+
+
+def test_failing_a_copy_names_what_is_wrong() -> None:
+    engine, other = ManualCopies(), DeviceCopies()
+    with pytest.raises(InvalidType, match=r"^fail\(\) takes a Copy, got int$"):
+        engine.fail(3)  # type: ignore[arg-type]
+    stranger = Copy("save", 2, [], [("slot", 0)], 5)
+    with pytest.raises(
+        InvalidArgument, match=r"^<Copy #5 save step=2 queued> was not queued on this ManualCopies$"
+    ):
+        engine.fail(stranger)
+    other.bind(torch.device("cpu"))
+    done = Copy("store", 0, [], [], 6)
+    other.queue(done)  # on CPU: finished at once
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^fail\(\): <Copy #6 store step=0 finished> already finished; its data arrived$",
+    ):
+        other.fail(done)
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^<Copy #6 store step=0 finished> was not queued on this ManualCopies$",
+    ):
+        engine.fail(done)
+
+
+def test_a_failed_copy_can_neither_complete_nor_be_waited_for() -> None:
+    engine = ManualCopies()
+    copy = Copy("load", 0, [], [("block", 1)], 9)
+    engine.queue(copy)
+    engine.fail(copy)
+    engine.fail(copy)  # failing a failed copy does nothing
+    assert copy.failed and copy.state == "failed"
+    with pytest.raises(
+        CopyFailed,
+        match=r"^complete\(\): <Copy #9 load step=0 failed> failed; it can never complete$",
+    ):
+        engine.complete(copy)
+    with pytest.raises(
+        CopyFailed, match=r"^<Copy #9 load step=0 failed> failed: its data never arrived$"
+    ):
+        copy.wait()
+    stranger = Copy("save", 1, [], [], 4)
+    with pytest.raises(
+        InvalidArgument, match=r"^<Copy #4 save step=1 queued> was not queued on this ManualCopies$"
+    ):
+        engine.complete(stranger)
+
+
+def test_a_failed_cuda_copy_keeps_its_temporaries_until_reaped(fake_cuda: _Log) -> None:
+    """A CUDA copy declared failed may still be running on the side stream: its moves
+    release their temporaries only when the trie reaps it."""
+    log = fake_cuda
+    copies, _ = _engine(log)
+    move = _Move(log, _Tensor(log, True))
+    copy = Copy("load", 0, [move], [], 3)
+    assert copy.failed is False and copy.state == "queued"
+    copies.queue(copy)
+    log.calls.clear()
+    copies.fail(copy)
+    assert copy.failed is True and copy.state == "failed" and copy.done
+    assert log.calls == [], "nothing released while the stream may still write"
+    assert copies.collect() == [copy]
+    assert log.calls == []
+    copy.fire(CopyTrigger.REAP)
+    assert copy.state == "reaped" and copy.failed is True
+    assert log.calls == [("release", move)]
