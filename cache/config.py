@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -43,6 +45,21 @@ def _shape(name: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(d) is int and d > 0 for d in value):
         raise ConfigError(f"CacheConfig.{name} must be a tuple of positive ints, got {value!r}")
     return tuple(value)
+
+
+def _caller_stacklevel() -> int:
+    """`warnings.warn`'s `stacklevel`, called from this module, for the code that built the
+    `CacheConfig`: the frame just above the outermost of this module's frames on the
+    stack (its `__post_init__` and the dataclass `__init__`, which runs in this module's
+    globals), however many wrapper frames sit between them."""
+    frame: FrameType | None = sys._getframe(1)  # the caller of warnings.warn: stacklevel 1
+    level = outermost_own = 1
+    while frame is not None:
+        if frame.f_globals.get("__name__") == __name__:
+            outermost_own = level
+        frame = frame.f_back
+        level += 1
+    return outermost_own + 1
 
 
 class HostTierUnusedWarning(UserWarning):
@@ -217,7 +234,7 @@ class CacheConfig:
                 "checkpoint. Set num_host_blocks=0; num_host_checkpoint_slots keeps "
                 "checkpoints in host memory",
                 HostTierUnusedWarning,
-                stacklevel=3,  # the caller of CacheConfig(...), through __init__
+                stacklevel=_caller_stacklevel(),
             )
 
     @property

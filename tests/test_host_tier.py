@@ -731,6 +731,18 @@ def test_a_host_tier_with_ssm_checkpoints_warns_that_it_is_never_read() -> None:
     assert again.num_cached_tokens == 0 and again.num_host_tokens == 0  # ...and are never read
     trie.abort(again)
     trie.check()
+    # A wrapper frame from another module between the dataclass __init__ and
+    # __post_init__ (as a profiler's or mutmut's trampoline adds) moves nothing.
+    post_init = CacheConfig.__post_init__
+
+    def wrapped(self: CacheConfig) -> None:
+        post_init(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CacheConfig, "__post_init__", wrapped)
+        with pytest.warns(HostTierUnusedWarning) as caught:
+            CacheConfig(block_size=B, num_blocks=4, num_host_blocks=8, num_checkpoint_slots=2)
+    assert [w.filename for w in caught] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # either tier alone does not warn
         CacheConfig(block_size=B, num_blocks=4, num_host_blocks=8)
