@@ -11,11 +11,12 @@ parent, by the node lifecycle's own error naming it.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cache import BlockTrie, IllegalTransition, OutOfBlocks, Sequence
-from cache.node import Node
+from cache import BlockTrie, CacheConfig, IllegalTransition, ManualCopies, OutOfBlocks, Sequence
+from cache.node import NO_BLOCK, Node
 from spec.errors import InvariantViolation
-from spec.lifecycle import NODE, NodeState
+from spec.lifecycle import NODE, NodeState, NodeTrigger, Residency
 from tests.helpers import detached_node, frozen, ssm_trie, state
 
 
@@ -128,3 +129,71 @@ def test_an_evicted_node_is_left_freed_and_detached() -> None:
         assert node.state == NodeState.FREED.value
         assert node.parent is None
     trie.check()
+
+
+def _host_trie(**kw: object) -> tuple[BlockTrie, ManualCopies]:
+    """An attention-only trie with a host tier and ManualCopies (blocks of 2 tokens)."""
+    config = CacheConfig(
+        block_size=2,
+        num_blocks=8,
+        num_host_blocks=16,
+        kv_block_shape=(2,),
+        kv_dtype=torch.float64,
+        enable_events=True,
+        **kw,  # type: ignore[arg-type]
+    )
+    copies = ManualCopies()
+    return BlockTrie(config, copies=copies), copies
+
+
+def test_a_failed_load_gives_its_block_back_and_its_parent_is_a_device_leaf_again() -> None:
+    """[R50]: a load that fails detaches the device block it was given: the block no
+    longer counts as cached, and the parent, whose only child lives on the host
+    again, is an evictable device leaf at once (no request holds it)."""
+    trie, copies = _host_trie()
+    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))
+    trie.release(_prefill(trie, [7, 7, 9]))  # a newer leaf, left alone
+    copies.complete_all()  # the write-through stores
+    trie.poll()
+    assert trie.evict(1) == 1  # the leaf (2, 2) is offloaded; (1, 1) is a device leaf
+    assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (2, 2)
+    hit = trie.match([1, 1, 2, 2, 9])
+    assert (hit.num_cached_tokens, hit.num_host_tokens) == (4, 2)
+    load = trie.load(hit)
+    assert load is not None
+    trie.release(hit)  # the load keeps its references until it is reaped
+    (parent,) = [n for n in trie._roots[""].child_nodes() if n.child_count()]  # (1, 1)
+    assert parent.state == NodeState.CACHED.value  # its child is back on the device
+    assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (3, 1)
+    copies.fail(load)
+    assert trie.poll() == 1
+    (child,) = parent.child_nodes()
+    assert (child.residency, child.block) == (Residency.HOST.value, NO_BLOCK)
+    assert parent.state == NodeState.EVICTABLE.value
+    assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (2, 2)
+    trie.check()
+
+
+def test_write_back_without_a_host_tier_frees_the_leaf_outright() -> None:
+    """The write-back guard: with no host tier no store is begun (the leaf is freed
+    as without write-back); the default store hook says why it cannot run."""
+    trie, _ = ssm_trie()
+    evictor = trie._evictor
+    with pytest.raises(InvariantViolation) as info:
+        evictor.queue_write_back([])
+    assert info.value.invariant == "host tier"
+    assert info.value.detail == "a write-back store with no host tier to queue it"
+    trie.release(_prefill(trie, [1] * 4))
+    evictor.write_back = True
+    assert trie.evict(1) == 1
+    assert trie.num_cached_blocks == 0
+    assert trie.stats.evicted_blocks == 1
+    trie.check()
+
+
+def test_a_write_back_holds_its_leaf_by_a_legal_share() -> None:
+    """Why starting a write-back never meets an illegal step: the leaf it holds is
+    `evictable` (from the index, or the idle-chain parent just made so), and
+    `share` is legal from there (the subject passed to the step is only formatted
+    for an illegal one: accepted equivalent mutants)."""
+    assert NODE.table[(NodeTrigger.SHARE.value, NodeState.EVICTABLE.value)] == "cached"
