@@ -55,7 +55,12 @@ def test_a_leafs_frozen_tail_is_counted_once_when_room_is_planned() -> None:
 def test_attached_node_states_route_to_one_another() -> None:
     """Why `settle` never meets a missing route (the subject passed to the spec's
     route and step is only formatted for one: accepted equivalent mutants)."""
-    attached = [NodeState.CACHED.value, NodeState.EVICTABLE.value, NodeState.PINNED.value]
+    attached = [
+        NodeState.CACHED.value,
+        NodeState.EVICTABLE.value,
+        NodeState.PINNED.value,
+        NodeState.OFFLOADED.value,  # with a host tier
+    ]
     assert all((a, b) in NODE.routes for a in attached for b in attached)
 
 
