@@ -202,3 +202,44 @@ def test_a_write_back_holds_its_leaf_by_a_legal_share() -> None:
     `share` is legal from there (the subject passed to the step is only formatted
     for an illegal one: accepted equivalent mutants)."""
     assert NODE.table[(NodeTrigger.SHARE.value, NodeState.EVICTABLE.value)] == "cached"
+
+
+def _mirrored_leaf(trie: BlockTrie, copies: ManualCopies) -> Node:
+    """An evictable leaf whose write-through store has finished (`mirrored`)."""
+    trie.release(_prefill(trie, [1, 1, 9]))
+    copies.complete_all()
+    trie.poll()
+    (leaf,) = trie._roots[""].child_nodes()
+    assert (leaf.state, leaf.residency) == ("evictable", Residency.MIRRORED.value)
+    return leaf
+
+
+def test_offloading_a_leaf_with_no_host_copy_is_the_residency_lifecycles_error() -> None:
+    """[R48]: only a `mirrored` leaf is offloaded; from any other residency the
+    spec's `offload` is illegal, the error names the node, and nothing changes."""
+    trie, _ = _host_trie(host_write="back")
+    trie.release(_prefill(trie, [1, 1, 9]))  # write-back: no store yet
+    (leaf,) = trie._roots[""].child_nodes()
+    assert (leaf.state, leaf.residency) == ("evictable", Residency.DEVICE.value)
+    before = frozen(trie.snapshot())
+    with pytest.raises(IllegalTransition) as info:
+        trie._evictor._offload(leaf)
+    error = info.value
+    assert (error.machine, error.trigger, error.state) == ("residency", "offload", leaf.residency)
+    assert error.subject == repr(leaf)
+    assert frozen(trie.snapshot()) == before
+
+
+def test_offloading_without_a_host_tier_is_a_residency_violation() -> None:
+    trie, copies = _host_trie()
+    leaf = _mirrored_leaf(trie, copies)
+    evictor = trie._evictor
+    host, evictor.host = evictor.host, None
+    before = frozen(trie.snapshot())
+    with pytest.raises(InvariantViolation) as info:
+        evictor._offload(leaf)
+    assert info.value.invariant == "residency"
+    assert info.value.detail == f"{leaf!r} is offloaded without a host tier"
+    evictor.host = host
+    assert frozen(trie.snapshot()) == before
+    trie.check()
