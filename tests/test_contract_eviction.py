@@ -230,6 +230,24 @@ def test_offloading_a_leaf_with_no_host_copy_is_the_residency_lifecycles_error()
     assert frozen(trie.snapshot()) == before
 
 
+def test_offloading_a_leaf_in_use_is_the_node_lifecycles_error() -> None:
+    """A mirrored leaf a request holds (`cached`) is not offloaded: the spec's
+    `offload` is illegal from anything but `evictable`, naming the node."""
+    trie, copies = _host_trie()
+    leaf = _mirrored_leaf(trie, copies)
+    seq = trie.match([1, 1, 9])
+    assert leaf.state == NodeState.CACHED.value
+    before = frozen(trie.snapshot())
+    with pytest.raises(IllegalTransition) as info:
+        trie._evictor._offload(leaf)
+    error = info.value
+    assert (error.machine, error.trigger, error.state) == ("node", "offload", "cached")
+    assert error.subject == repr(leaf)
+    assert frozen(trie.snapshot()) == before
+    trie.release(seq)
+    trie.check()
+
+
 def test_offloading_without_a_host_tier_is_a_residency_violation() -> None:
     trie, copies = _host_trie()
     leaf = _mirrored_leaf(trie, copies)
