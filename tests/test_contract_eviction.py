@@ -261,3 +261,45 @@ def test_offloading_without_a_host_tier_is_a_residency_violation() -> None:
     evictor.host = host
     assert frozen(trie.snapshot()) == before
     trie.check()
+
+
+def test_out_of_blocks_says_what_eviction_could_free_and_what_write_back_will() -> None:
+    """[R16], [R52]: the two `OutOfBlocks` of make-room, word for word: nothing
+    reclaimable (with the blocks write-back stores in flight will free, when
+    there are any), and room that only finished write-back stores can make."""
+    trie, _ = ssm_trie(num_blocks=4, manual=False)
+    hog = trie.match([2] * 16)
+    trie.allocate(hog, 16)
+    with pytest.raises(OutOfBlocks) as info:
+        trie.allocate(trie.match([3] * 4), 4)
+    assert str(info.value) == (
+        "need 1 KV blocks: 0 free and fewer than 1 reclaimable by eviction (capacity 4)"
+    )
+    trie.abort(hog)
+
+    trie, copies = _host_trie(host_write="back")
+    for tokens in ([1, 1, 9], [2, 2, 9]):
+        trie.release(_prefill(trie, tokens))
+    hog = trie.match([5] * 2 * trie.num_free_blocks)
+    trie.allocate(hog, len(hog.tokens))
+    assert (trie.num_free_blocks, trie.num_evictable_blocks) == (0, 2)
+    hungry = trie.match([7] * 6)
+    with pytest.raises(OutOfBlocks) as info:
+        trie.allocate(hungry, 4)  # both leaves' stores queued, neither finished
+    assert str(info.value) == (
+        "need 2 KV blocks: 0 free; 2 more are freed when the write-back stores in "
+        "flight finish (complete them, poll, retry)"
+    )
+    assert len(copies.pending()) == 1  # one store for both leaves
+    with pytest.raises(OutOfBlocks) as info:
+        trie.allocate(hungry, 6)
+    assert str(info.value) == (
+        "need 3 KV blocks: 0 free and fewer than 3 reclaimable by eviction (capacity 8); "
+        "2 more are freed when the write-back stores in flight finish"
+    )
+    copies.complete_all()
+    trie.poll()
+    trie.allocate(hungry, 4)
+    trie.abort(hungry)
+    trie.abort(hog)
+    trie.check()
