@@ -303,3 +303,56 @@ def test_out_of_blocks_says_what_eviction_could_free_and_what_write_back_will() 
     trie.abort(hungry)
     trie.abort(hog)
     trie.check()
+
+
+def test_offloading_a_leaf_frees_its_checkpoints_frozen_tail_too() -> None:
+    """[R48]: an offloaded leaf keeps its host copy but no checkpoint (checkpoints
+    of this trie live on the device only): its block and its checkpoint's frozen
+    tail are both freed, and counted."""
+    trie, copies = ssm_trie(num_blocks=8, num_host_blocks=16)
+    assert copies is not None
+    seq = _prefill(trie, [1] * 5)  # leaf L and a private partial block
+    trie.save(seq, 5, state(1.0))  # on L, with a frozen tail block
+    copies.complete_all()  # L's write-through store and the save
+    trie.poll()
+    trie.release(seq)
+    (leaf,) = trie._roots[""].child_nodes()
+    assert (leaf.state, leaf.residency) == ("evictable", Residency.MIRRORED.value)
+    assert trie.num_free_blocks == 6
+    block = leaf.block
+    assert trie.evict(1) == 2
+    assert (leaf.state, leaf.residency) == ("offloaded", Residency.HOST.value)
+    assert leaf.checkpoint is None
+    assert (trie.stats.evicted_blocks, trie.stats.evicted_checkpoints) == (2, 1)
+    assert (trie.num_free_blocks, trie.num_cached_blocks) == (8, 0)
+    trie.check()
+    # The block no longer has an owner: a copy that holds it, taken again as a
+    # request's private block, settles nothing when it is reaped.
+    other = trie.match([2] * 3)
+    trie.allocate(other, 3)
+    assert other.block_ids == (block,)
+    trie.save(other, 3, state(2.0))  # its copy reads the block
+    copies.complete_all()
+    assert trie.poll() == 1
+    trie.release(other)
+    trie.check()
+
+
+def test_a_freed_block_has_no_owner_left_to_settle() -> None:
+    """An evicted leaf's block, taken again as a request's private block and held
+    by a copy, settles no node when that copy is reaped (its owner went with it)."""
+    trie, copies = ssm_trie(num_blocks=8)
+    assert copies is not None
+    trie.release(_prefill(trie, [1] * 4))
+    (leaf,) = trie._roots[""].child_nodes()
+    block = leaf.block
+    assert trie.evict(1) == 1
+    other = trie.match([2] * 3)
+    trie.allocate(other, 3)
+    assert other.block_ids == (block,)
+    trie.save(other, 3, state(2.0))  # its copy reads the block
+    copies.complete_all()
+    assert trie.poll() == 1
+    assert leaf.state == NodeState.FREED.value
+    trie.release(other)
+    trie.check()
