@@ -356,3 +356,30 @@ def test_a_freed_block_has_no_owner_left_to_settle() -> None:
     assert leaf.state == NodeState.FREED.value
     trie.release(other)
     trie.check()
+
+
+def test_write_back_stores_only_as_many_leaves_as_asked() -> None:
+    """[R52], [R23]: evicting n blocks in write-back mode chooses the n oldest leaves
+    and queues one store for them; the others stay evictable on the device."""
+    trie, copies = _host_trie(host_write="back")
+    for tokens in ([1, 1, 9], [2, 2, 9], [3, 3, 9]):
+        trie.release(_prefill(trie, tokens))
+    assert trie.num_evictable_blocks == 3
+    assert trie.evict(1) == 0  # its store is queued: freed when it finishes
+    (store,) = copies.pending()
+    assert [n.block for n in store.nodes] == [0]  # the oldest leaf
+    assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 5)
+    copies.complete_all()
+    assert trie.poll() == 1
+    assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 6)
+    assert trie.stats.evicted_blocks == 1
+    trie.check()
+
+    # Stores that finish when queued (CPU copies) free at once: still one leaf.
+    trie = BlockTrie(trie.config)
+    for tokens in ([1, 1, 9], [2, 2, 9], [3, 3, 9]):
+        trie.release(_prefill(trie, tokens))
+    assert trie.evict(1) == 1
+    assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 6)
+    assert trie.stats.stored_blocks == 1
+    trie.check()
