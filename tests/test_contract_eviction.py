@@ -11,11 +11,12 @@ parent, by the node lifecycle's own error naming it.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cache import BlockTrie, IllegalTransition, OutOfBlocks, Sequence
-from cache.node import Node
+from cache import BlockTrie, CacheConfig, IllegalTransition, ManualCopies, OutOfBlocks, Sequence
+from cache.node import NO_BLOCK, Node
 from spec.errors import InvariantViolation
-from spec.lifecycle import NODE, NodeState
+from spec.lifecycle import NODE, NodeState, NodeTrigger, Residency
 from tests.helpers import detached_node, frozen, ssm_trie, state
 
 
@@ -54,7 +55,12 @@ def test_a_leafs_frozen_tail_is_counted_once_when_room_is_planned() -> None:
 def test_attached_node_states_route_to_one_another() -> None:
     """Why `settle` never meets a missing route (the subject passed to the spec's
     route and step is only formatted for one: accepted equivalent mutants)."""
-    attached = [NodeState.CACHED.value, NodeState.EVICTABLE.value, NodeState.PINNED.value]
+    attached = [
+        NodeState.CACHED.value,
+        NodeState.EVICTABLE.value,
+        NodeState.PINNED.value,
+        NodeState.OFFLOADED.value,  # with a host tier
+    ]
     assert all((a, b) in NODE.routes for a in attached for b in attached)
 
 
@@ -127,4 +133,253 @@ def test_an_evicted_node_is_left_freed_and_detached() -> None:
     for node in (inner, leaf):
         assert node.state == NodeState.FREED.value
         assert node.parent is None
+    trie.check()
+
+
+def _host_trie(**kw: object) -> tuple[BlockTrie, ManualCopies]:
+    """An attention-only trie with a host tier and ManualCopies (blocks of 2 tokens)."""
+    config = CacheConfig(
+        block_size=2,
+        num_blocks=8,
+        num_host_blocks=16,
+        kv_block_shape=(2,),
+        kv_dtype=torch.float64,
+        enable_events=True,
+        **kw,  # type: ignore[arg-type]
+    )
+    copies = ManualCopies()
+    return BlockTrie(config, copies=copies), copies
+
+
+def test_a_failed_load_gives_its_block_back_and_its_parent_is_a_device_leaf_again() -> None:
+    """[R50]: a load that fails detaches the device block it was given: the block no
+    longer counts as cached, and the parent, whose only child lives on the host
+    again, is an evictable device leaf at once (no request holds it)."""
+    trie, copies = _host_trie()
+    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))
+    trie.release(_prefill(trie, [7, 7, 9]))  # a newer leaf, left alone
+    copies.complete_all()  # the write-through stores
+    trie.poll()
+    assert trie.evict(1) == 1  # the leaf (2, 2) is offloaded; (1, 1) is a device leaf
+    assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (2, 2)
+    hit = trie.match([1, 1, 2, 2, 9])
+    assert (hit.num_cached_tokens, hit.num_host_tokens) == (4, 2)
+    load = trie.load(hit)
+    assert load is not None
+    trie.release(hit)  # the load keeps its references until it is reaped
+    (parent,) = [n for n in trie._roots[""].child_nodes() if n.child_count()]  # (1, 1)
+    assert parent.state == NodeState.CACHED.value  # its child is back on the device
+    assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (3, 1)
+    copies.fail(load)
+    assert trie.poll() == 1
+    (child,) = parent.child_nodes()
+    assert (child.residency, child.block) == (Residency.HOST.value, NO_BLOCK)
+    assert parent.state == NodeState.EVICTABLE.value
+    assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (2, 2)
+    trie.check()
+
+
+def test_write_back_without_a_host_tier_frees_the_leaf_outright() -> None:
+    """The write-back guard: with no host tier no store is begun (the leaf is freed
+    as without write-back); the default store hook says why it cannot run."""
+    trie, _ = ssm_trie()
+    evictor = trie._evictor
+    with pytest.raises(InvariantViolation) as info:
+        evictor.queue_write_back([])
+    assert info.value.invariant == "host tier"
+    assert info.value.detail == "a write-back store with no host tier to queue it"
+    trie.release(_prefill(trie, [1] * 4))
+    evictor.write_back = True
+    assert trie.evict(1) == 1
+    assert trie.num_cached_blocks == 0
+    assert trie.stats.evicted_blocks == 1
+    trie.check()
+
+
+def test_a_write_back_holds_its_leaf_by_a_legal_share() -> None:
+    """Why starting a write-back never meets an illegal step: the leaf it holds is
+    `evictable` (from the index, or the idle-chain parent just made so), and
+    `share` is legal from there (the subject passed to the step is only formatted
+    for an illegal one: accepted equivalent mutants)."""
+    assert NODE.table[(NodeTrigger.SHARE.value, NodeState.EVICTABLE.value)] == "cached"
+
+
+def _mirrored_leaf(trie: BlockTrie, copies: ManualCopies) -> Node:
+    """An evictable leaf whose write-through store has finished (`mirrored`)."""
+    trie.release(_prefill(trie, [1, 1, 9]))
+    copies.complete_all()
+    trie.poll()
+    (leaf,) = trie._roots[""].child_nodes()
+    assert (leaf.state, leaf.residency) == ("evictable", Residency.MIRRORED.value)
+    return leaf
+
+
+def test_offloading_a_leaf_with_no_host_copy_is_the_residency_lifecycles_error() -> None:
+    """[R48]: only a `mirrored` leaf is offloaded; from any other residency the
+    spec's `offload` is illegal, the error names the node, and nothing changes."""
+    trie, _ = _host_trie(host_write="back")
+    trie.release(_prefill(trie, [1, 1, 9]))  # write-back: no store yet
+    (leaf,) = trie._roots[""].child_nodes()
+    assert (leaf.state, leaf.residency) == ("evictable", Residency.DEVICE.value)
+    before = frozen(trie.snapshot())
+    with pytest.raises(IllegalTransition) as info:
+        trie._evictor._offload(leaf)
+    error = info.value
+    assert (error.machine, error.trigger, error.state) == ("residency", "offload", leaf.residency)
+    assert error.subject == repr(leaf)
+    assert frozen(trie.snapshot()) == before
+
+
+def test_offloading_a_leaf_in_use_is_the_node_lifecycles_error() -> None:
+    """A mirrored leaf a request holds (`cached`) is not offloaded: the spec's
+    `offload` is illegal from anything but `evictable`, naming the node."""
+    trie, copies = _host_trie()
+    leaf = _mirrored_leaf(trie, copies)
+    seq = trie.match([1, 1, 9])
+    assert leaf.state == NodeState.CACHED.value
+    before = frozen(trie.snapshot())
+    with pytest.raises(IllegalTransition) as info:
+        trie._evictor._offload(leaf)
+    error = info.value
+    assert (error.machine, error.trigger, error.state) == ("node", "offload", "cached")
+    assert error.subject == repr(leaf)
+    assert frozen(trie.snapshot()) == before
+    trie.release(seq)
+    trie.check()
+
+
+def test_offloading_without_a_host_tier_is_a_residency_violation() -> None:
+    trie, copies = _host_trie()
+    leaf = _mirrored_leaf(trie, copies)
+    evictor = trie._evictor
+    host, evictor.host = evictor.host, None
+    before = frozen(trie.snapshot())
+    with pytest.raises(InvariantViolation) as info:
+        evictor._offload(leaf)
+    assert info.value.invariant == "residency"
+    assert info.value.detail == f"{leaf!r} is offloaded without a host tier"
+    evictor.host = host
+    assert frozen(trie.snapshot()) == before
+    trie.check()
+
+
+def test_out_of_blocks_says_what_eviction_could_free_and_what_write_back_will() -> None:
+    """[R16], [R52]: the two `OutOfBlocks` of make-room, word for word: nothing
+    reclaimable (with the blocks write-back stores in flight will free, when
+    there are any), and room that only finished write-back stores can make."""
+    trie, _ = ssm_trie(num_blocks=4, manual=False)
+    hog = trie.match([2] * 16)
+    trie.allocate(hog, 16)
+    with pytest.raises(OutOfBlocks) as info:
+        trie.allocate(trie.match([3] * 4), 4)
+    assert str(info.value) == (
+        "need 1 KV blocks: 0 free and fewer than 1 reclaimable by eviction (capacity 4)"
+    )
+    trie.abort(hog)
+
+    trie, copies = _host_trie(host_write="back")
+    for tokens in ([1, 1, 9], [2, 2, 9]):
+        trie.release(_prefill(trie, tokens))
+    hog = trie.match([5] * 2 * trie.num_free_blocks)
+    trie.allocate(hog, len(hog.tokens))
+    assert (trie.num_free_blocks, trie.num_evictable_blocks) == (0, 2)
+    hungry = trie.match([7] * 6)
+    with pytest.raises(OutOfBlocks) as info:
+        trie.allocate(hungry, 4)  # both leaves' stores queued, neither finished
+    assert str(info.value) == (
+        "need 2 KV blocks: 0 free; 2 more are freed when the write-back stores in "
+        "flight finish (complete them, poll, retry)"
+    )
+    assert len(copies.pending()) == 1  # one store for both leaves
+    with pytest.raises(OutOfBlocks) as info:
+        trie.allocate(hungry, 6)
+    assert str(info.value) == (
+        "need 3 KV blocks: 0 free and fewer than 3 reclaimable by eviction (capacity 8); "
+        "2 more are freed when the write-back stores in flight finish"
+    )
+    copies.complete_all()
+    trie.poll()
+    trie.allocate(hungry, 4)
+    trie.abort(hungry)
+    trie.abort(hog)
+    trie.check()
+
+
+def test_offloading_a_leaf_frees_its_checkpoints_frozen_tail_too() -> None:
+    """[R48]: an offloaded leaf keeps its host copy but no checkpoint (checkpoints
+    of this trie live on the device only): its block and its checkpoint's frozen
+    tail are both freed, and counted."""
+    trie, copies = ssm_trie(num_blocks=8, num_host_blocks=16)
+    assert copies is not None
+    seq = _prefill(trie, [1] * 5)  # leaf L and a private partial block
+    trie.save(seq, 5, state(1.0))  # on L, with a frozen tail block
+    copies.complete_all()  # L's write-through store and the save
+    trie.poll()
+    trie.release(seq)
+    (leaf,) = trie._roots[""].child_nodes()
+    assert (leaf.state, leaf.residency) == ("evictable", Residency.MIRRORED.value)
+    assert trie.num_free_blocks == 6
+    block = leaf.block
+    assert trie.evict(1) == 2
+    assert (leaf.state, leaf.residency) == ("offloaded", Residency.HOST.value)
+    assert leaf.checkpoint is None
+    assert (trie.stats.evicted_blocks, trie.stats.evicted_checkpoints) == (2, 1)
+    assert (trie.num_free_blocks, trie.num_cached_blocks) == (8, 0)
+    trie.check()
+    # The block no longer has an owner: a copy that holds it, taken again as a
+    # request's private block, settles nothing when it is reaped.
+    other = trie.match([2] * 3)
+    trie.allocate(other, 3)
+    assert other.block_ids == (block,)
+    trie.save(other, 3, state(2.0))  # its copy reads the block
+    copies.complete_all()
+    assert trie.poll() == 1
+    trie.release(other)
+    trie.check()
+
+
+def test_a_freed_block_has_no_owner_left_to_settle() -> None:
+    """An evicted leaf's block, taken again as a request's private block and held
+    by a copy, settles no node when that copy is reaped (its owner went with it)."""
+    trie, copies = ssm_trie(num_blocks=8)
+    assert copies is not None
+    trie.release(_prefill(trie, [1] * 4))
+    (leaf,) = trie._roots[""].child_nodes()
+    block = leaf.block
+    assert trie.evict(1) == 1
+    other = trie.match([2] * 3)
+    trie.allocate(other, 3)
+    assert other.block_ids == (block,)
+    trie.save(other, 3, state(2.0))  # its copy reads the block
+    copies.complete_all()
+    assert trie.poll() == 1
+    assert leaf.state == NodeState.FREED.value
+    trie.release(other)
+    trie.check()
+
+
+def test_write_back_stores_only_as_many_leaves_as_asked() -> None:
+    """[R52], [R23]: evicting n blocks in write-back mode chooses the n oldest leaves
+    and queues one store for them; the others stay evictable on the device."""
+    trie, copies = _host_trie(host_write="back")
+    for tokens in ([1, 1, 9], [2, 2, 9], [3, 3, 9]):
+        trie.release(_prefill(trie, tokens))
+    assert trie.num_evictable_blocks == 3
+    assert trie.evict(1) == 0  # its store is queued: freed when it finishes
+    (store,) = copies.pending()
+    assert [n.block for n in store.nodes] == [0]  # the oldest leaf
+    assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 5)
+    copies.complete_all()
+    assert trie.poll() == 1
+    assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 6)
+    assert trie.stats.evicted_blocks == 1
+    trie.check()
+
+    # Stores that finish when queued (CPU copies) free at once: still one leaf.
+    trie = BlockTrie(trie.config)
+    for tokens in ([1, 1, 9], [2, 2, 9], [3, 3, 9]):
+        trie.release(_prefill(trie, tokens))
+    assert trie.evict(1) == 1
+    assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 6)
+    assert trie.stats.stored_blocks == 1
     trie.check()

@@ -144,3 +144,15 @@ def test_reaped_and_failed_copies_are_counted_one_by_one() -> None:
     trie.release(hit)
     trie.release(seq)
     trie.check()
+
+
+def test_a_copy_holding_host_blocks_needs_a_host_tier() -> None:
+    """Only the host tier's stores and loads hold host blocks; a trie without one
+    refuses such a copy by name, and takes no host reference."""
+    trie, _ = ssm_trie()
+    copy = Copy("load", 0, [], (), 7)
+    message = f"{copy!r} holds host blocks, but there is no host tier"
+    with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
+        trie._transfers.hold(copy, [], [0])
+    assert copy.host_blocks == []
+    trie.check()
