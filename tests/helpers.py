@@ -96,3 +96,22 @@ def detached_node(
     """A `Node` outside any trie (a root by default), for tests of the record itself."""
     values: dict[str, Any] = {"tick": 0, "block_hash": 0, "state": "root", **fields}
     return Node(parent=None, key=key, block=block, namespace=namespace, serial=serial, **values)
+
+
+def spy_gather_ops(monkeypatch: Any) -> list[str]:
+    """Record each ``torch.index_select`` / ``Tensor.index_copy_`` call (by name) that
+    follows, for tests of which copy path a `cache.moves.BlockMove` takes."""
+    calls: list[str] = []
+    real_select, real_index_copy = torch.index_select, torch.Tensor.index_copy_
+
+    def spy_select(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("index_select")
+        return real_select(*args, **kwargs)
+
+    def spy_index_copy(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append("index_copy_")
+        return real_index_copy(self, *args)
+
+    monkeypatch.setattr(torch, "index_select", spy_select)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", spy_index_copy)
+    return calls

@@ -10,6 +10,9 @@ parent, by the node lifecycle's own error naming it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import pytest
 import torch
 
@@ -18,6 +21,20 @@ from cache.node import NO_BLOCK, Node
 from spec.errors import InvariantViolation
 from spec.lifecycle import NODE, NodeState, NodeTrigger, Residency
 from tests.helpers import detached_node, frozen, ssm_trie, state
+
+
+def _refused_changing_nothing(
+    trie: BlockTrie, step: Callable[[], object], transition: tuple[str, str, str], node: Node
+) -> None:
+    """`step()` raises the spec's `IllegalTransition` for `transition` (machine,
+    trigger, state), naming `node`, and leaves the trie as it was."""
+    before = frozen(trie.snapshot())
+    with pytest.raises(IllegalTransition) as info:
+        step()
+    error = info.value
+    assert (error.machine, error.trigger, error.state) == transition
+    assert error.subject == repr(node)
+    assert frozen(trie.snapshot()) == before
 
 
 def _prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
@@ -104,13 +121,9 @@ def test_freeing_a_node_that_is_not_evictable_is_the_node_lifecycles_error() -> 
     inner, leaf = _inner_and_pinned(trie)
     assert (inner.state, leaf.state) == ("cached", "pinned")
     for node in (inner, leaf):
-        before = frozen(trie.snapshot())
-        with pytest.raises(IllegalTransition) as info:
-            trie._evictor._free(node)
-        error = info.value
-        assert (error.machine, error.trigger, error.state) == ("node", "free", node.state)
-        assert error.subject == repr(node)
-        assert frozen(trie.snapshot()) == before
+        _refused_changing_nothing(
+            trie, partial(trie._evictor._free, node), ("node", "free", node.state), node
+        )
 
 
 def test_an_evictable_node_without_a_parent_is_a_topology_violation() -> None:
@@ -221,13 +234,12 @@ def test_offloading_a_leaf_with_no_host_copy_is_the_residency_lifecycles_error()
     trie.release(_prefill(trie, [1, 1, 9]))  # write-back: no store yet
     (leaf,) = trie._roots[""].child_nodes()
     assert (leaf.state, leaf.residency) == ("evictable", Residency.DEVICE.value)
-    before = frozen(trie.snapshot())
-    with pytest.raises(IllegalTransition) as info:
-        trie._evictor._offload(leaf)
-    error = info.value
-    assert (error.machine, error.trigger, error.state) == ("residency", "offload", leaf.residency)
-    assert error.subject == repr(leaf)
-    assert frozen(trie.snapshot()) == before
+    _refused_changing_nothing(
+        trie,
+        lambda: trie._evictor._offload(leaf),
+        ("residency", "offload", leaf.residency),
+        leaf,
+    )
 
 
 def test_offloading_a_leaf_in_use_is_the_node_lifecycles_error() -> None:
@@ -237,13 +249,9 @@ def test_offloading_a_leaf_in_use_is_the_node_lifecycles_error() -> None:
     leaf = _mirrored_leaf(trie, copies)
     seq = trie.match([1, 1, 9])
     assert leaf.state == NodeState.CACHED.value
-    before = frozen(trie.snapshot())
-    with pytest.raises(IllegalTransition) as info:
-        trie._evictor._offload(leaf)
-    error = info.value
-    assert (error.machine, error.trigger, error.state) == ("node", "offload", "cached")
-    assert error.subject == repr(leaf)
-    assert frozen(trie.snapshot()) == before
+    _refused_changing_nothing(
+        trie, lambda: trie._evictor._offload(leaf), ("node", "offload", "cached"), leaf
+    )
     trie.release(seq)
     trie.check()
 

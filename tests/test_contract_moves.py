@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _runs, _words
+from tests.helpers import spy_gather_ops
 from tests.test_moves import pool, reference, same_bits
 
 
@@ -135,20 +136,7 @@ def test_blocks_are_moved_as_words_exactly_when_both_pools_allow_it() -> None:
 
 def _spy_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record the gathering operations a same-device move issues."""
-    calls: list[str] = []
-    real_select, real_index_copy = torch.index_select, torch.Tensor.index_copy_
-
-    def spy_select(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append("index_select")
-        return real_select(*args, **kwargs)
-
-    def spy_index_copy(self: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append("index_copy_")
-        return real_index_copy(self, *args)
-
-    monkeypatch.setattr(torch, "index_select", spy_select)
-    monkeypatch.setattr(torch.Tensor, "index_copy_", spy_index_copy)
-    return calls
+    return spy_gather_ops(monkeypatch)
 
 
 def test_up_to_max_run_ops_destination_runs_are_one_operation_each(

@@ -4,7 +4,6 @@ bytes a per-block ``copy_`` would, and nothing else."""
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from cache.copies import BlockMove, Copy, DeviceCopies, ManualCopies, TensorMove, block_moves
 from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, _common_runs, _runs, _words
+from tests.helpers import spy_gather_ops
 
 
 def pool(
@@ -127,19 +127,7 @@ def test_any_distinct_ids_move_like_per_block_copies(
 def test_runs_and_the_paths_they_choose(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _runs([1, 2, 3, 7, 8, 10]) == [(0, 3), (3, 2), (5, 1)]
     assert _runs([4]) == [(0, 1)]
-    calls: list[str] = []
-    real_select, real_index_copy = torch.index_select, torch.Tensor.index_copy_
-
-    def spy_select(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append("index_select")
-        return real_select(*args, **kwargs)
-
-    def spy_index_copy(self: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append("index_copy_")
-        return real_index_copy(self, *args)
-
-    monkeypatch.setattr(torch, "index_select", spy_select)
-    monkeypatch.setattr(torch.Tensor, "index_copy_", spy_index_copy)
+    calls = spy_gather_ops(monkeypatch)
     check([4, 5, 6], [9, 10, 11])  # both runs: one slice copy_
     assert calls == []
     check([9, 2, 5], [0, 1, 2])  # one destination run: one index_select into it
