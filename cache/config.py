@@ -101,7 +101,8 @@ class CacheConfig:
     - `num_host_blocks`: KV blocks in the host tier (an int >= 0, default 0: no
       host tier). With a host tier, committed blocks are copied to host memory
       and device eviction keeps them there, so a later `match` can `load` them
-      back instead of recomputing (docs/host-tier.md).
+      back instead of recomputing (docs/host-tier.md). With SSM checkpoints too
+      it warns (`HostTierUnusedWarning`): no SSM hit reaches host-resident KV.
     - `host_write`: when blocks are copied to the host tier: "through" (the
       default: each block as it is committed) or "back" (only when device
       eviction picks it; its device block is freed once the copy finished).

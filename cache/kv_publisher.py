@@ -16,7 +16,8 @@ and nothing is waiting (a non-blocking send: PUB drops past its high-water
 mark instead of waiting), or else puts it on a bounded queue that a sender
 thread drains in order. The socket is free unless the sender thread is
 draining that queue or answering a replay request; sending in the caller saves
-a thread hand-off per batch, which cost more than the send itself. When the
+a thread hand-off (a wake-up and a GIL switch) per batch, which measured more
+than the send, most of all with no core to spare. When the
 queue is full the batch is dropped: counted in `dropped_batches` /
 `dropped_events` and logged (at the 1st, 2nd, 4th, 8th... drop), and its
 sequence number is still consumed, so a subscriber sees the gap (which replay
