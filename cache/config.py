@@ -47,12 +47,13 @@ def _shape(name: str, value: object) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _caller_stacklevel() -> int:
-    """`warnings.warn`'s `stacklevel`, called from this module, for the code that built the
-    `CacheConfig`: the frame just above the outermost of this module's frames on the
-    stack (its `__post_init__` and the dataclass `__init__`, which runs in this module's
-    globals), however many wrapper frames sit between them."""
-    frame: FrameType | None = sys._getframe(1)  # the caller of warnings.warn: stacklevel 1
+def _caller_stacklevel(warning_frame: FrameType) -> int:
+    """`warnings.warn`'s `stacklevel`, for a warning issued from `warning_frame` (a frame
+    of this module), that names the code that built the `CacheConfig`: the frame just
+    above the outermost of this module's frames on the stack (its `__post_init__` and
+    the dataclass `__init__`, which runs in this module's globals), however many
+    wrapper frames sit between them or around this function."""
+    frame: FrameType | None = warning_frame  # stacklevel 1
     level = outermost_own = 1
     while frame is not None:
         if frame.f_globals.get("__name__") == __name__:
@@ -235,7 +236,7 @@ class CacheConfig:
                 "checkpoint. Set num_host_blocks=0; num_host_checkpoint_slots keeps "
                 "checkpoints in host memory",
                 HostTierUnusedWarning,
-                stacklevel=_caller_stacklevel(),
+                stacklevel=_caller_stacklevel(sys._getframe()),
             )
 
     @property

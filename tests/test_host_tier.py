@@ -8,10 +8,12 @@ claims to hold.
 from __future__ import annotations
 
 import warnings
+from types import FrameType
 
 import pytest
 import torch
 
+import cache.config
 from cache import (
     BlockTrie,
     CacheConfig,
@@ -731,15 +733,20 @@ def test_a_host_tier_with_ssm_checkpoints_warns_that_it_is_never_read() -> None:
     assert again.num_cached_tokens == 0 and again.num_host_tokens == 0  # ...and are never read
     trie.abort(again)
     trie.check()
-    # A wrapper frame from another module between the dataclass __init__ and
-    # __post_init__ (as a profiler's or mutmut's trampoline adds) moves nothing.
+    # Wrapper frames from another module (as a profiler's or mutmut's trampolines
+    # add) around __post_init__ or the frame walk itself move nothing.
     post_init = CacheConfig.__post_init__
+    walk = cache.config._caller_stacklevel
 
     def wrapped(self: CacheConfig) -> None:
         post_init(self)
 
+    def wrapped_walk(frame: FrameType) -> int:
+        return walk(frame)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CacheConfig, "__post_init__", wrapped)
+        mp.setattr(cache.config, "_caller_stacklevel", wrapped_walk)
         with pytest.warns(HostTierUnusedWarning) as caught:
             CacheConfig(block_size=B, num_blocks=4, num_host_blocks=8, num_checkpoint_slots=2)
     assert [w.filename for w in caught] == [__file__]
