@@ -336,14 +336,21 @@ def test_offloading_a_leaf_frees_its_checkpoints_frozen_tail_too() -> None:
     trie.check()
     # The block no longer has an owner: a copy that holds it, taken again as a
     # request's private block, settles nothing when it is reaped.
+    other = _hold_in_a_save_copy(trie, copies, block)
+    trie.release(other)
+    trie.check()
+
+
+def _hold_in_a_save_copy(trie: BlockTrie, copies: ManualCopies, block: int) -> Sequence:
+    """A new request whose one private block is `block` (the only free one taken), a save
+    copy reading it, completed and reaped; returns the request, still live."""
     other = trie.match([2] * 3)
     trie.allocate(other, 3)
     assert other.block_ids == (block,)
     trie.save(other, 3, state(2.0))  # its copy reads the block
     copies.complete_all()
     assert trie.poll() == 1
-    trie.release(other)
-    trie.check()
+    return other
 
 
 def test_a_freed_block_has_no_owner_left_to_settle() -> None:
@@ -355,12 +362,7 @@ def test_a_freed_block_has_no_owner_left_to_settle() -> None:
     (leaf,) = trie._roots[""].child_nodes()
     block = leaf.block
     assert trie.evict(1) == 1
-    other = trie.match([2] * 3)
-    trie.allocate(other, 3)
-    assert other.block_ids == (block,)
-    trie.save(other, 3, state(2.0))  # its copy reads the block
-    copies.complete_all()
-    assert trie.poll() == 1
+    other = _hold_in_a_save_copy(trie, copies, block)
     assert leaf.state == NodeState.FREED.value
     trie.release(other)
     trie.check()

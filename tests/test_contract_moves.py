@@ -16,24 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _runs, _words
+from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _words
 from tests.helpers import spy_gather_ops
-from tests.test_moves import pool, reference, same_bits
-
-
-def _direct(path: str, src_ids: list[int], dst_ids: list[int]) -> tuple[BlockMove, bool]:
-    """Run one cross-device path of a move on CPU tensors, warnings as errors; returns
-    the move and whether `dst` then holds what a per-block copy leaves."""
-    src, dst = pool(40), pool(41)[1:]
-    want = reference(src, src_ids, dst, dst_ids)
-    move = BlockMove(src, src_ids, dst, dst_ids)
-    s, d = _words(src, dst)
-    pairs = sorted(zip(dst_ids, src_ids, strict=True))
-    d_ids, s_ids = [p[0] for p in pairs], [p[1] for p in pairs]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        getattr(move, path)(s, s_ids, d, d_ids, _runs(d_ids))
-    return move, same_bits(dst, want)
+from tests.test_moves import pool, reference, run_path, same_bits
 
 
 def test_a_load_to_another_device_keeps_its_temporaries_until_released() -> None:
@@ -76,12 +61,12 @@ def test_the_host_to_device_path_scatters_two_destination_runs() -> None:
         ([8, 1, 30], [2, 3, 4]),  # one destination run
     ]:
         for path in ("_from_host", "_to_other_device"):
-            _, ok = _direct(path, src_ids, dst_ids)
+            _, ok = run_path(path, src_ids, dst_ids)
             assert ok, (path, src_ids, dst_ids)
 
 
 def test_the_host_to_device_staging_is_kept_and_warns_about_nothing() -> None:
-    move, ok = _direct("_from_host", [30, 2, 17, 5, 11], [20, 21, 22, 23, 24])
+    move, ok = run_path("_from_host", [30, 2, 17, 5, 11], [20, 21, 22, 23, 24])
     assert ok
     (staging,) = move._keep  # one destination run: straight from the staging
     assert tuple(staging.shape) == (5, 3) and staging.dtype == torch.int64

@@ -4,6 +4,7 @@ bytes a per-block ``copy_`` would, and nothing else."""
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -97,14 +98,24 @@ def test_the_cross_device_paths_move_the_same_bits_on_cpu(layout: str) -> None:
     tensors, they must agree with a per-block copy too."""
     src_ids, dst_ids = LAYOUTS[layout]
     for path in ("_to_other_device", "_from_host"):
-        src, dst = pool(40), pool(41)[1:]
-        want = reference(src, src_ids, dst, dst_ids)
-        move = BlockMove(src, src_ids, dst, dst_ids)
-        s, d = _words(src, dst)
-        pairs = sorted(zip(dst_ids, src_ids, strict=True))
-        d_ids, s_ids = [p[0] for p in pairs], [p[1] for p in pairs]
+        _, same = run_path(path, src_ids, dst_ids)
+        assert same, (path, layout)
+
+
+def run_path(path: str, src_ids: list[int], dst_ids: list[int]) -> tuple[BlockMove, bool]:
+    """Run one cross-device path (`BlockMove._to_other_device` / `._from_host`) of a
+    move on CPU tensors, warnings as errors; returns the move and whether `dst` then
+    holds what a per-block copy leaves."""
+    src, dst = pool(40), pool(41)[1:]
+    want = reference(src, src_ids, dst, dst_ids)
+    move = BlockMove(src, src_ids, dst, dst_ids)
+    s, d = _words(src, dst)
+    pairs = sorted(zip(dst_ids, src_ids, strict=True))
+    d_ids, s_ids = [p[0] for p in pairs], [p[1] for p in pairs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         getattr(move, path)(s, s_ids, d, d_ids, _runs(d_ids))
-        assert same_bits(dst, want), (path, layout)
+    return move, same_bits(dst, want)
 
 
 @settings(max_examples=150, deadline=None)
