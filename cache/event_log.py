@@ -26,6 +26,7 @@ from cache.events import (
     checkpoint_removed,
     checkpoint_stored,
     replay,
+    replay_views,
 )
 from cache.keys import joined_tokens, key_packed
 
@@ -278,25 +279,15 @@ class EventLog:
         """Return and forget the events emitted since the last drain."""
         events = self._events
         self._events = []
-        # `cache.events.replay` into each drained view, in one pass over the events.
-        views = {
-            (KV_GROUP, MEDIUM_GPU): self._drained_view,
-            (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
-            (KV_GROUP, MEDIUM_CPU): self._drained_host,
-            (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
-        }
-        for event in events:
-            if type(event) is BlockStored:
-                view = views.get((event.group_idx, event.medium))
-                if view is not None:
-                    view.update(event.block_ids)
-            elif type(event) is BlockRemoved:
-                view = views.get((event.group_idx, event.medium))
-                if view is not None:
-                    view.difference_update(event.block_ids)
-            else:
-                for view in views.values():
-                    view.clear()
+        replay_views(
+            events,
+            {
+                (KV_GROUP, MEDIUM_GPU): self._drained_view,
+                (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
+                (KV_GROUP, MEDIUM_CPU): self._drained_host,
+                (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
+            },
+        )
         return events
 
     def replayed_blocks(self) -> set[int] | None:

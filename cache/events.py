@@ -14,7 +14,7 @@ The fields past the original ones carry what vLLM's wire schema needs
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint_removed",
     "checkpoint_stored",
     "replay",
+    "replay_views",
 ]
 
 MEDIUM_GPU = "GPU"
@@ -105,16 +106,26 @@ def replay(
     host tier's blocks); `AllBlocksCleared` clears every group and medium.
     """
     out = set() if blocks is None else blocks
+    replay_views(events, {(group_idx, medium): out})
+    return out
+
+
+def replay_views(events: Iterable[Event], views: Mapping[tuple[int, str], set[int]]) -> None:
+    """`replay` into several block sets in one pass: `views` maps (group_idx, medium)
+    to the set that events of that group and medium apply to; events of any other
+    pair are skipped, and `AllBlocksCleared` clears every set."""
     for event in events:
         if isinstance(event, BlockStored):
-            if event.group_idx == group_idx and event.medium == medium:
-                out.update(event.block_ids)
+            view = views.get((event.group_idx, event.medium))
+            if view is not None:
+                view.update(event.block_ids)
         elif isinstance(event, BlockRemoved):
-            if event.group_idx == group_idx and event.medium == medium:
-                out.difference_update(event.block_ids)
+            view = views.get((event.group_idx, event.medium))
+            if view is not None:
+                view.difference_update(event.block_ids)
         else:
-            out.clear()
-    return out
+            for view in views.values():
+                view.clear()
 
 
 def checkpoint_stored(
