@@ -35,6 +35,12 @@ on request:
 - **soak**: `bench.soak.run_soak`: millions of random operations with
   ``ManualCopies`` completing in random order, ``check()`` every N steps;
   steps/s, memory at start and end, failures (``--soak-steps``).
+
+After each section a line says how busy the machine was meanwhile
+(`bench.load`: the cores other processes kept busy, and the hypervisor's
+steal); a section past ``--max-other-cores`` / ``--max-steal`` is flagged
+NOISY (and in the JSON under ``load``), and ``--require-quiet`` then makes the
+run exit 3. Quote no figure from a flagged section.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +61,9 @@ if __package__ in (None, ""):  # run as `python bench/run.py`: make the reposito
 
 import torch
 
+from bench import load
 from bench.baseline import DictTrie
+from bench.load import DEFAULT_MAX_OTHER_CORES, DEFAULT_MAX_STEAL
 from cache.planner.replay import replay
 from cache.planner.traces import TRACE_BLOCK_TOKENS, load_trace
 from cache.planner.workload import (
@@ -765,7 +773,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-steps", type=int, default=1_000_000)
     p.add_argument("--soak-check-every", type=int, default=10_000)
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument(
+        "--max-other-cores",
+        type=_limit,
+        default=DEFAULT_MAX_OTHER_CORES,
+        help="flag a section during which other processes kept more cores than this busy "
+        "on average (default: %(default)s; `bench.load`)",
+    )
+    p.add_argument(
+        "--max-steal",
+        type=_limit,
+        default=DEFAULT_MAX_STEAL,
+        help="flag a section during which the hypervisor took more than this share of the "
+        "CPU time (default: %(default)s)",
+    )
+    p.add_argument(
+        "--require-quiet",
+        action="store_true",
+        help="exit 3 when any section was flagged (the figures are still printed)",
+    )
     return p
+
+
+def _limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 console: Any = None
@@ -779,8 +816,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(width=160 if not sys.stdout.isatty() else None, highlight=False)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    loads: dict[str, dict[str, Any]] = out.setdefault("load", {})
     for name in sections:
-        t0 = time.perf_counter()
+        before = load.sample()
         {
             "peers": bench_peers_section,
             "replay": bench_replay,
@@ -790,10 +828,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             "host": bench_host_section,
             "soak": bench_soak,
         }[name](args, out)
-        console.print(f"[dim]({name}: {time.perf_counter() - t0:.1f} s)[/dim]\n")
+        seen = load.measure(before, load.sample(), args.max_other_cores, args.max_steal)
+        loads[name] = asdict(seen)
+        style = "bold yellow" if seen.noisy else "dim"
+        console.print(f"[{style}]({name}: {seen.seconds:.1f} s; {seen.describe()})[/{style}]\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    noisy = [name for name, seen in loads.items() if seen["noisy"]]
+    if noisy and args.require_quiet:
+        console.print(
+            f"[bold yellow]--require-quiet: other processes or the hypervisor took CPU during "
+            f"{', '.join(noisy)}; run again on a quiet machine[/bold yellow]"
+        )
+        return 3
     return 0
 
 
