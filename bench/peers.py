@@ -9,7 +9,9 @@
   10^6 blocks (the cache fills to 10^6 and then evicts);
 
 and reports each row's cost in ns of cache code per prompt block and its ratio
-to the dict trie measured in the same run. Then bytes per cached block (RSS
+to the dict trie measured in the same run; the same for `bench.column_trie`
+(the dict trie's algorithm stored as columns: what issue 13's layout costs
+without blocktrie's guards). Then bytes per cached block (RSS
 growth of a fresh process caching ~10^6 blocks of realistic token ids, ÷
 cached blocks) for both, and blocktrie's per-block cost with events on (xxh3
 chained block hashes, events built, drained and encoded to vLLM's wire format
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import DictTrie
+from bench.column_trie import ColumnTrie
 from cache.planner.replay import replay
 from cache.planner.traces import TRACE_BLOCK_TOKENS, load_trace
 from cache.planner.workload import Workload
@@ -169,6 +172,7 @@ def make_blocktrie(block_size: int, capacity: int, events: bool = False) -> Any:
 IMPLS: dict[str, Callable[[int, int], Any]] = {
     "blocktrie": make_blocktrie,
     "dict-trie": DictTrie,
+    "column-trie": ColumnTrie,
     "blocktrie+events": lambda b, cap: make_blocktrie(b, cap, events=True),
 }
 
@@ -271,7 +275,16 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
         f"best of {args.repeats}"
     )
     table = Table(title="ns of cache code per prompt block (events off)")
-    for col in ("workload, capacity", "dict trie", "blocktrie", "vs dict", "hit rate", "evicted"):
+    for col in (
+        "workload, capacity",
+        "dict trie",
+        "blocktrie",
+        "vs dict",
+        "column trie",
+        "col vs dict",
+        "hit rate",
+        "evicted",
+    ):
         table.add_column(col, justify="left" if col.startswith("workload") else "right")
     rows: list[dict[str, Any]] = []
     events_row: dict[str, Any] | None = None
@@ -281,7 +294,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
             if workload is None:
                 print_(f"  {row.label}: skipped ({traces / row.trace} not found)")
                 continue
-            impls = ["blocktrie", "dict-trie"]
+            impls = ["blocktrie", "dict-trie", "column-trie"]
             with_events = row.capacity == 60_000 and row.trace == CONVERSATION
             if with_events:
                 impls.append("blocktrie+events")
@@ -291,14 +304,26 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                     r = run_once(workload, IMPLS[name], b, row.capacity, overhead)
                     if name not in best or r["ns_per_block"] < best[name]["ns_per_block"]:
                         best[name] = r
-            bt, dt = best["blocktrie"], best["dict-trie"]
+            bt, dt, ct = best["blocktrie"], best["dict-trie"], best["column-trie"]
             ratio = bt["ns_per_block"] / dt["ns_per_block"]
-            rows.append({"row": row.label, "capacity": row.capacity, **best, "vs_dict": ratio})
+            column_ratio = ct["ns_per_block"] / dt["ns_per_block"]
+            rows.append(
+                {
+                    "row": row.label,
+                    "capacity": row.capacity,
+                    **best,
+                    "vs_dict": ratio,
+                    "column_vs_dict": column_ratio,
+                }
+            )
+            same = ct["hit_rate"] == dt["hit_rate"] and ct["evicted_blocks"] == dt["evicted_blocks"]
             table.add_row(
                 row.label,
                 f"{dt['ns_per_block']:,.0f}",
                 f"{bt['ns_per_block']:,.0f}",
                 f"{ratio:.2f}x",
+                f"{ct['ns_per_block']:,.0f}",
+                f"{column_ratio:.2f}x" + ("" if same else " (hits differ!)"),
                 f"{bt['hit_rate']:.2%} / {dt['hit_rate']:.2%}",
                 f"{bt['evicted_blocks']:,}",
             )
@@ -314,7 +339,9 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
     print_(table)
     print_(
         "[dim]hit rate: blocktrie / dict trie (both LRU; tie-breaks may differ under "
-        "eviction). evicted: blocktrie's evicted blocks.[/dim]"
+        "eviction). evicted: blocktrie's evicted blocks. column trie: the dict trie's "
+        "algorithm stored as columns (bench.column_trie; its hits equal the dict trie's), "
+        "what the column layout alone costs.[/dim]"
     )
     if events_row is not None:
         print_(
@@ -326,7 +353,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
     memory: dict[str, Any] = {}
     if args.memory:
         n = MEMORY_BLOCKS // 4 if args.quick else MEMORY_BLOCKS
-        for name in ("blocktrie", "dict-trie"):
+        for name in ("blocktrie", "dict-trie", "column-trie"):
             memory[name] = m = measure_memory(name, n)
             print_(
                 f"  memory, {name}: {m['bytes_per_block']:,.0f} B per cached block "

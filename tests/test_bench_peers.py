@@ -46,7 +46,7 @@ def test_rows_replay_and_skip_missing_traces(tmp_path: Path) -> None:
     workload = load_row(tmp_path, Row("tiny", "t.jsonl", 64), 16, tmp_path)
     assert workload is not None and len(workload) == 2
     overhead = clock_overhead_ns(time.thread_time_ns)
-    for name in ("blocktrie", "dict-trie"):
+    for name in ("blocktrie", "dict-trie", "column-trie"):
         r = run_once(workload, PEER_IMPLS[name], 16, 64, overhead)
         assert r["prompt_blocks"] == 2 + 1  # full prompt blocks looked up by match
         assert r["hit_rate"] > 0  # the second request's first block is cached
@@ -54,7 +54,7 @@ def test_rows_replay_and_skip_missing_traces(tmp_path: Path) -> None:
 
 
 def test_memory_probe_counts_cached_blocks() -> None:
-    for name in ("blocktrie", "dict-trie"):
+    for name in ("blocktrie", "dict-trie", "column-trie"):
         m = memory_child(name, 64)
         assert m["impl"] == name and m["cached_blocks"] == 64
         assert m["bytes_per_block"] == m["rss_growth_bytes"] / 64
