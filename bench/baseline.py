@@ -5,16 +5,21 @@ block keys, reference counts, LRU eviction of idle leaves, deduplicating
 commits) with nothing else: no lifecycle table, no invariants, no events, no
 checkpoints, no validation. The same replay loop drives it (same method
 names), so per-block costs are comparable.
+
+`RefcountedBlocks` is what it shares with `bench.column_trie.ColumnTrie` (the
+same algorithm stored as columns): the block pool and the request calls that
+touch only the pool.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import MutableSequence
 from typing import Any
 
 from spec.errors import OutOfBlocks
 
-__all__ = ["DictTrie", "DictTrieSequence"]
+__all__ = ["BaselineStats", "DictTrie", "DictTrieSequence", "RefcountedBlocks"]
 
 
 class _Node:
@@ -45,14 +50,16 @@ class DictTrieSequence:
         self.tokens = tokens
         self.namespace = namespace
         self.block_ids: list[int] = []
-        self.path: list[_Node] = []
+        self.path: list[Any] = []  # the trie's nodes (objects, or ids in the column trie)
         self.num_cached_tokens = 0
         self.num_committed_tokens = 0
         self.branch_step = 0
         self.restore = None
 
 
-class _Stats:
+class BaselineStats:
+    """The counters a replay reads from a baseline trie."""
+
     __slots__ = ("evicted_blocks", "hit_tokens", "query_tokens")
 
     def __init__(self) -> None:
@@ -61,18 +68,17 @@ class _Stats:
         self.query_tokens = 0
 
 
-class DictTrie:
-    """Refcounted blocks, `dict` children keyed by block tokens, an `OrderedDict` LRU."""
+class RefcountedBlocks:
+    """What the baseline tries share: refcounted blocks taken from a free list, and
+    the request calls that touch only them (`allocate`, `append`, `release`,
+    `abort`). A subclass stores the trie: `match`, `commit`, `evict`, and `_drop`
+    (give back a request's references and index the leaves it left idle)."""
 
-    def __init__(self, block_size: int, num_blocks: int) -> None:
-        self.block_size = block_size
-        self.capacity = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.refs: list[int] = [0] * num_blocks
-        self.roots: dict[str, _Node] = {}
-        self.lru: OrderedDict[_Node, None] = OrderedDict()  # idle leaves, oldest first
-        self.cached = 0
-        self.stats = _Stats()
+    block_size: int
+    free: MutableSequence[int]
+    refs: MutableSequence[int]
+    cached: int
+    stats: BaselineStats
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +98,66 @@ class DictTrie:
 
     def restore(self, seq: DictTrieSequence, runtime_state: Any) -> None:
         raise ValueError("the baseline trie keeps no SSM checkpoints (attention-only replays)")
+
+    def evict(self, num_blocks: int) -> int:
+        raise NotImplementedError
+
+    def _index_idle(self, path: list[Any]) -> None:
+        raise NotImplementedError
+
+    def append(self, seq: DictTrieSequence, tokens: list[int]) -> None:
+        seq.tokens.extend(tokens)
+
+    def allocate(self, seq: DictTrieSequence, num_tokens: int) -> None:
+        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return
+        short = need - len(self.free)
+        if short > 0:
+            self.evict(short)
+            if len(self.free) < need:
+                raise OutOfBlocks(f"need {need} blocks, {len(self.free)} free")
+        free = self.free
+        refs = self.refs
+        for _ in range(need):
+            block = free.pop()
+            refs[block] = 1
+            seq.block_ids.append(block)
+
+    def _drop(self, seq: DictTrieSequence) -> None:
+        refs = self.refs
+        for block in seq.block_ids:
+            refs[block] -= 1
+            if refs[block] == 0:
+                self.free.append(block)
+        self._index_idle(seq.path)
+        seq.block_ids = []
+        seq.path = []
+
+    def release(self, seq: DictTrieSequence) -> None:
+        self._drop(seq)
+
+    def abort(self, seq: DictTrieSequence) -> None:
+        self.stats.hit_tokens -= seq.num_cached_tokens
+        self.stats.query_tokens -= len(seq.tokens)
+        self._drop(seq)
+
+    def poll(self) -> int:
+        return 0
+
+
+class DictTrie(RefcountedBlocks):
+    """Refcounted blocks, `dict` children keyed by block tokens, an `OrderedDict` LRU."""
+
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.block_size = block_size
+        self.capacity = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.refs: list[int] = [0] * num_blocks
+        self.roots: dict[str, _Node] = {}
+        self.lru: OrderedDict[_Node, None] = OrderedDict()  # idle leaves, oldest first
+        self.cached = 0
+        self.stats = BaselineStats()
 
     def _root(self, namespace: str) -> _Node:
         root = self.roots.get(namespace)
@@ -125,25 +191,6 @@ class DictTrie:
         self.stats.hit_tokens += seq.num_cached_tokens
         return seq
 
-    def append(self, seq: DictTrieSequence, tokens: list[int]) -> None:
-        seq.tokens.extend(tokens)
-
-    def allocate(self, seq: DictTrieSequence, num_tokens: int) -> None:
-        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
-        if need <= 0:
-            return
-        short = need - len(self.free)
-        if short > 0:
-            self.evict(short)
-            if len(self.free) < need:
-                raise OutOfBlocks(f"need {need} blocks, {len(self.free)} free")
-        free = self.free
-        refs = self.refs
-        for _ in range(need):
-            block = free.pop()
-            refs[block] = 1
-            seq.block_ids.append(block)
-
     def commit(self, seq: DictTrieSequence, num_tokens: int) -> None:
         b = self.block_size
         refs = self.refs
@@ -171,27 +218,13 @@ class DictTrie:
             parent = child
         seq.num_committed_tokens = num_tokens
 
-    def _drop(self, seq: DictTrieSequence) -> None:
+    def _index_idle(self, path: list[_Node]) -> None:
         refs = self.refs
-        for block in seq.block_ids:
-            refs[block] -= 1
-            if refs[block] == 0:
-                self.free.append(block)
         lru = self.lru
-        for node in seq.path:
+        for node in path:
             if refs[node.block] == 1 and not node.children:
                 lru[node] = None
                 lru.move_to_end(node)
-        seq.block_ids = []
-        seq.path = []
-
-    def release(self, seq: DictTrieSequence) -> None:
-        self._drop(seq)
-
-    def abort(self, seq: DictTrieSequence) -> None:
-        self.stats.hit_tokens -= seq.num_cached_tokens
-        self.stats.query_tokens -= len(seq.tokens)
-        self._drop(seq)
 
     def evict(self, num_blocks: int) -> int:
         freed = 0
@@ -212,6 +245,3 @@ class DictTrie:
                 lru.move_to_end(parent, last=False)  # at least as old as its child
         self.stats.evicted_blocks += freed
         return freed
-
-    def poll(self) -> int:
-        return 0

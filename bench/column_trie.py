@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Any
 
-from spec.errors import OutOfBlocks
+from bench.baseline import BaselineStats, DictTrieSequence, RefcountedBlocks
 
 __all__ = ["MANY", "NO_CHILD", "ColumnTrie", "ColumnTrieSequence"]
 
@@ -38,43 +37,17 @@ MANY = -2
 """`child[p]` of a node whose children are in the index."""
 
 
-class ColumnTrieSequence:
-    """A request's view: tokens, its blocks' keys, block table, the path it holds."""
+class ColumnTrieSequence(DictTrieSequence):
+    """A request's view, plus its blocks' keys (packed once, carried to `commit`)."""
 
-    __slots__ = (
-        "block_ids",
-        "branch_step",
-        "keys",
-        "namespace",
-        "num_cached_tokens",
-        "num_committed_tokens",
-        "path",
-        "restore",
-        "tokens",
-    )
+    __slots__ = ("keys",)
 
     def __init__(self, tokens: list[int], namespace: str) -> None:
-        self.tokens = tokens
-        self.namespace = namespace
-        self.block_ids: list[int] = []
-        self.path: list[int] = []
+        super().__init__(tokens, namespace)
         self.keys: list[bytes] = []
-        self.num_cached_tokens = 0
-        self.num_committed_tokens = 0
-        self.branch_step = 0
-        self.restore = None
 
 
-class _Stats:
-    __slots__ = ("evicted_blocks", "hit_tokens", "query_tokens")
-
-    def __init__(self) -> None:
-        self.evicted_blocks = 0
-        self.hit_tokens = 0
-        self.query_tokens = 0
-
-
-class ColumnTrie:
+class ColumnTrie(RefcountedBlocks):
     """Refcounted blocks whose trie links and tokens are columns indexed by block id."""
 
     def __init__(self, block_size: int, num_blocks: int) -> None:
@@ -96,26 +69,7 @@ class ColumnTrie:
         """Namespace -> its root's id (below `MANY`: roots own no block)."""
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.cached = 0
-        self.stats = _Stats()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.cached
-
-    @property
-    def num_free_checkpoint_slots(self) -> int:
-        """No checkpoints: attention-only replays only."""
-        return 0
-
-    def save(self, seq: ColumnTrieSequence, num_tokens: int, runtime_state: Any) -> None:
-        raise ValueError("the column trie keeps no SSM checkpoints (attention-only replays)")
-
-    def restore(self, seq: ColumnTrieSequence, runtime_state: Any) -> None:
-        raise ValueError("the column trie keeps no SSM checkpoints (attention-only replays)")
+        self.stats = BaselineStats()
 
     # ----------------------------------------------------------- the columns
 
@@ -241,25 +195,6 @@ class ColumnTrie:
         self.stats.hit_tokens += seq.num_cached_tokens
         return seq
 
-    def append(self, seq: ColumnTrieSequence, tokens: list[int]) -> None:
-        seq.tokens.extend(tokens)
-
-    def allocate(self, seq: ColumnTrieSequence, num_tokens: int) -> None:
-        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
-        if need <= 0:
-            return
-        short = need - len(self.free)
-        if short > 0:
-            self.evict(short)
-            if len(self.free) < need:
-                raise OutOfBlocks(f"need {need} blocks, {len(self.free)} free")
-        free = self.free
-        refs = self.refs
-        for _ in range(need):
-            block = free.pop()
-            refs[block] = 1
-            seq.block_ids.append(block)
-
     def commit(self, seq: ColumnTrieSequence, num_tokens: int) -> None:
         b = self.block_size
         refs = self.refs
@@ -290,28 +225,14 @@ class ColumnTrie:
             parent = child
         seq.num_committed_tokens = num_tokens
 
-    def _drop(self, seq: ColumnTrieSequence) -> None:
+    def _index_idle(self, path: list[int]) -> None:
         refs = self.refs
-        for block in seq.block_ids:
-            refs[block] -= 1
-            if refs[block] == 0:
-                self.free.append(block)
         lru = self.lru
         child = self.child
-        for node in seq.path:
+        for node in path:
             if refs[node] == 1 and child[node] == NO_CHILD:
                 lru[node] = None
                 lru.move_to_end(node)
-        seq.block_ids = []
-        seq.path = []
-
-    def release(self, seq: ColumnTrieSequence) -> None:
-        self._drop(seq)
-
-    def abort(self, seq: ColumnTrieSequence) -> None:
-        self.stats.hit_tokens -= seq.num_cached_tokens
-        self.stats.query_tokens -= len(seq.tokens)
-        self._drop(seq)
 
     def evict(self, num_blocks: int) -> int:
         freed = 0
@@ -331,6 +252,3 @@ class ColumnTrie:
                 lru.move_to_end(parent, last=False)  # at least as old as its child
         self.stats.evicted_blocks += freed
         return freed
-
-    def poll(self) -> int:
-        return 0
