@@ -58,3 +58,72 @@ def test_load_equivalent_skips_comments(tmp_path: Path) -> None:
     listed.write_text("# header\ncache.lru.x_f__mutmut_1  # why\n\n  spec.y__mutmut_2\n")
     assert mutation.load_equivalent(listed) == {"cache.lru.x_f__mutmut_1", "spec.y__mutmut_2"}
     assert mutation.load_equivalent(tmp_path / "missing.txt") == set()
+
+
+def test_a_partial_run_fails_the_gate_and_says_how_much_is_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    meta = tmp_path / "mutants" / "cache"
+    meta.mkdir(parents=True)
+    (meta / "a.py.meta").write_text(json.dumps({"exit_code_by_key": {"a1": 1, "a2": None}}))
+    (score,) = mutation.read_scores(["cache/a.py"], root=tmp_path)
+    assert score.score == 100.0 and score.not_counted == 1
+    assert not score.passes(90.0)
+    assert mutation.report([score], 90.0, verbose=False) is False
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.split()[:7] == ["cache/a.py", "1", "0", "0", "0", "1", "100.0%"]
+    assert line.endswith("not fully run")
+
+
+def _scored(tmp_path: Path, codes: dict[str, int | None], source: str = "x = 1\n") -> Path:
+    (tmp_path / "cache").mkdir(exist_ok=True)
+    (tmp_path / "cache" / "a.py").write_text(source)
+    meta = tmp_path / "mutants" / "cache"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "a.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
+    return tmp_path / "scores.json"
+
+
+def test_a_record_survives_mutants_and_holds_while_the_source_is_unchanged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = _scored(tmp_path, {"a1": 1, "a2": 1, "a3": 0})
+    scores = mutation.read_scores(["cache/a.py", "cache/b.py"], root=tmp_path)
+    kept = mutation.save_record(scores, root=tmp_path, path=record)
+    assert [s.path for s in kept] == ["cache/a.py"]  # b has no results: nothing to keep
+    (tmp_path / "mutants" / "cache" / "a.py.meta").unlink()  # a fresh machine
+    got, notes = mutation.recorded_scores(["cache/a.py", "cache/b.py"], tmp_path, record)
+    assert got[0] == scores[0] and got[0].survived == ["a3"]
+    assert notes["cache/a.py"].startswith("recorded at ")
+    assert notes["cache/b.py"] == "never recorded" and got[1].counted == 0
+    assert mutation.report(got, 60.0, False, notes) is False  # b is unscored
+    assert "unscored  (never recorded)" in capsys.readouterr().out
+    # The source changes: the record no longer speaks for it.
+    (tmp_path / "cache" / "a.py").write_text("x = 2\n")
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record)
+    assert got[0].counted == 0 and notes["cache/a.py"].startswith("source changed since ")
+    assert mutation.report(got, 0.0, False, notes) is False
+
+
+def test_recording_again_replaces_only_the_files_given(tmp_path: Path) -> None:
+    record = _scored(tmp_path, {"a1": 1})
+    (tmp_path / "cache" / "b.py").write_text("y = 1\n")
+    (tmp_path / "mutants" / "cache" / "b.py.meta").write_text(
+        json.dumps({"exit_code_by_key": {"b1": 0}})
+    )
+    both = mutation.read_scores(["cache/a.py", "cache/b.py"], root=tmp_path)
+    mutation.save_record(both, root=tmp_path, path=record)
+    (tmp_path / "mutants" / "cache" / "a.py.meta").write_text(
+        json.dumps({"exit_code_by_key": {"a1": 1, "a2": 0}})
+    )
+    mutation.save_record(mutation.read_scores(["cache/a.py"], tmp_path), tmp_path, record)
+    kept = mutation.load_record(record)
+    assert kept["cache/a.py"].score.survived == ["a2"]
+    assert kept["cache/b.py"].score.survived == ["b1"]  # untouched
+    assert list(json.loads(record.read_text())) == ["cache/a.py", "cache/b.py"]
+
+
+def test_record_and_recorded_are_exclusive() -> None:
+    with pytest.raises(SystemExit) as exc:
+        mutation.main(["--record", "--recorded", "--report-only"])
+    assert exc.value.code == 2

@@ -10,25 +10,38 @@ Score of a file = killed / (killed + survived + no tests + suspicious), where
 killed counts timeouts too, and mutants listed in ``tools/equivalent_mutants.txt``
 (one mutmut mutant name per line, ``#`` comments; each an accepted equivalent
 mutant with its reason in docs/testing.md) are left out of the denominator.
-Not part of ``.ci/run``: a run over the whole core takes many minutes on 2 cores.
+A file passes when it scores at least the threshold *and* every one of its
+mutants was run: a partial run is reported with its count of mutants not run,
+and fails.
+
+Not part of ``.ci/run``: a run over the whole core takes hours on 2 cores, and
+``mutants/`` does not outlive the machine. ``--record`` therefore keeps each
+file's result in ``tools/mutation_scores.json`` (committed), with the SHA-256
+of the source it was measured on; ``--recorded`` reports and gates from that
+record, where a file whose source has changed since (or that was never
+recorded) counts as unscored. A record stays valid while the file is
+unchanged: tests are only ever added, which can kill more, never fewer.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import fnmatch
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 EQUIVALENT = Path(__file__).resolve().parent / "equivalent_mutants.txt"
+RECORD = Path(__file__).resolve().parent / "mutation_scores.json"
 
 KILLED = {1, 3, 36, 37, -24, 24, 152, 255}  # failed, internal error, timeouts, type check
 SURVIVED = {0}
@@ -57,6 +70,94 @@ class FileScore:
     def score(self) -> float:
         """Percent killed (100 when nothing was counted)."""
         return 100.0 * self.killed / self.counted if self.counted else 100.0
+
+    def passes(self, threshold: float) -> bool:
+        """At or above `threshold`, with mutants counted and none left unrun."""
+        return self.score >= threshold and self.counted > 0 and self.not_counted == 0
+
+
+@dataclass
+class Recorded:
+    """One file's result as kept in `RECORD`: the score, and what it was measured on."""
+
+    score: FileScore
+    source_sha256: str
+    commit: str
+    date: str
+
+
+def source_digest(path: str, root: Path = ROOT) -> str:
+    """SHA-256 (hex) of the file's bytes; "" when it does not exist."""
+    file = root / path
+    return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
+
+
+def _head_commit(root: Path) -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    )
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def load_record(path: Path = RECORD) -> dict[str, Recorded]:
+    """The recorded results, by file (empty when there is no record yet)."""
+    if not path.exists():
+        return {}
+    entries = json.loads(path.read_text())
+    recorded = {}
+    for file, entry in entries.items():
+        score = FileScore(**entry["score"])
+        recorded[file] = Recorded(score, entry["source_sha256"], entry["commit"], entry["date"])
+    return recorded
+
+
+def save_record(
+    scores: Sequence[FileScore], root: Path = ROOT, path: Path = RECORD
+) -> list[FileScore]:
+    """Record `scores` (files with results only) over `path`'s entries; returns those
+    recorded. Each entry keeps the source's SHA-256, the commit and the date."""
+    entries = {
+        file: {
+            "score": asdict(rec.score),
+            "source_sha256": rec.source_sha256,
+            "commit": rec.commit,
+            "date": rec.date,
+        }
+        for file, rec in load_record(path).items()
+    }
+    commit = _head_commit(root)
+    today = datetime.date.today().isoformat()
+    kept = [s for s in scores if s.counted or s.not_counted]
+    for s in kept:
+        entries[s.path] = {
+            "score": asdict(s),
+            "source_sha256": source_digest(s.path, root),
+            "commit": commit,
+            "date": today,
+        }
+    path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+    return kept
+
+
+def recorded_scores(
+    paths: Sequence[str], root: Path = ROOT, path: Path = RECORD
+) -> tuple[list[FileScore], dict[str, str]]:
+    """Scores from the record, and a note per file: where it was recorded, or why it
+    counts as unscored (never recorded, or its source changed since)."""
+    record = load_record(path)
+    scores, notes = [], {}
+    for file in paths:
+        rec = record.get(file)
+        if rec is None:
+            scores.append(FileScore(file))
+            notes[file] = "never recorded"
+        elif rec.source_sha256 != source_digest(file, root):
+            scores.append(FileScore(file))
+            notes[file] = f"source changed since {rec.commit}"
+        else:
+            scores.append(rec.score)
+            notes[file] = f"recorded at {rec.commit}, {rec.date}"
+    return scores, notes
 
 
 def core_paths(root: Path = ROOT) -> list[str]:
@@ -125,16 +226,33 @@ def read_scores(paths: Sequence[str], root: Path = ROOT) -> list[FileScore]:
     return scores
 
 
-def report(scores: Sequence[FileScore], threshold: float, verbose: bool) -> bool:
+def report(
+    scores: Sequence[FileScore],
+    threshold: float,
+    verbose: bool,
+    notes: dict[str, str] | None = None,
+) -> bool:
     """Print the table (and survivors when `verbose`); True when every file passes."""
     ok = True
-    print(f"{'file':32} {'killed':>7} {'survived':>8} {'no tests':>8} {'equiv':>5} {'score':>7}")
+    print(
+        f"{'file':32} {'killed':>7} {'survived':>8} {'no tests':>8} {'equiv':>5} "
+        f"{'not run':>7} {'score':>7}"
+    )
     for s in scores:
-        passed = s.score >= threshold and s.counted > 0
+        passed = s.passes(threshold)
         ok &= passed
+        if passed:
+            why = ""
+        elif not s.counted and not s.not_counted:
+            why = "  unscored"
+        elif s.not_counted:
+            why = "  not fully run"
+        else:
+            why = "  < threshold"
+        note = f"  ({notes[s.path]})" if notes and s.path in notes else ""
         print(
             f"{s.path:32} {s.killed:>7} {len(s.survived):>8} {len(s.no_tests):>8} "
-            f"{s.equivalent:>5} {s.score:>6.1f}%{'' if passed else '  < threshold'}"
+            f"{s.equivalent:>5} {s.not_counted:>7} {s.score:>6.1f}%{why}{note}"
         )
         if verbose:
             for name in s.survived + s.no_tests + s.suspicious:
@@ -153,13 +271,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--paths", nargs="+", help="files to mutate (default: the core)")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--report-only", action="store_true", help="read the last run's results")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=f"keep the results in {RECORD.relative_to(ROOT)} (with each source's SHA-256)",
+    )
+    parser.add_argument(
+        "--recorded",
+        action="store_true",
+        help="report and gate from the record instead of mutants/ (runs nothing)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="list surviving mutants")
     args = parser.parse_args(argv)
+    if args.record and args.recorded:
+        parser.error("--record keeps a run's results; --recorded reads them back: pick one")
     core = core_paths()
     paths = args.paths or core
     unknown = [p for p in paths if p not in core]
     if unknown:
         parser.error(f"not in the mutated core ([tool.mutmut]): {unknown}")
+    if args.recorded:
+        scores, notes = recorded_scores(paths)
+        return 0 if report(scores, args.threshold, args.verbose, notes) else 1
     if not args.report_only:
         # Derandomized, short Hypothesis runs: the covering tests run once per mutant.
         env = dict(os.environ, CI="true", HYPOTHESIS_PROFILE="mutation")
@@ -169,7 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"mutmut exited with {done.returncode}", file=sys.stderr)
             return 2
-    return 0 if report(read_scores(paths), args.threshold, args.verbose) else 1
+    scores = read_scores(paths)
+    if args.record:
+        kept = save_record(scores)
+        print(f"recorded {len(kept)} file(s) in {RECORD.relative_to(ROOT)}")
+    return 0 if report(scores, args.threshold, args.verbose) else 1
 
 
 if __name__ == "__main__":
