@@ -250,9 +250,10 @@ def report(
         else:
             why = "  < threshold"
         note = f"  ({notes[s.path]})" if notes and s.path in notes else ""
+        shown = f"{s.score:>6.1f}%" if s.counted else f"{'-':>7}"
         print(
             f"{s.path:32} {s.killed:>7} {len(s.survived):>8} {len(s.no_tests):>8} "
-            f"{s.equivalent:>5} {s.not_counted:>7} {s.score:>6.1f}%{why}{note}"
+            f"{s.equivalent:>5} {s.not_counted:>7} {shown}{why}{note}"
         )
         if verbose:
             for name in s.survived + s.no_tests + s.suspicious:
