@@ -238,3 +238,18 @@ def test_a_store_from_another_device_gathers_there_then_copies_run_by_run(
     assert d.data_ptr() == dst.data_ptr()
     assert d_ids == [3, 4, 9, 20, 21] and s_ids == [2, 5, 11, 17, 30]
     assert runs == [(0, 2), (2, 1), (3, 2)]
+
+
+def test_a_refused_move_names_both_block_layouts() -> None:
+    """The refusal of pools that differ in block shape or dtype states each pool's
+    block shape (its shape past the block dimension) and dtype, word for word."""
+    src = pool(4)  # blocks (4, 3) float16
+    with pytest.raises(ValueError) as info:
+        BlockMove(src, [0], pool(4, (3,)), [0])
+    assert str(info.value) == "BlockMove: blocks (4, 3) torch.float16 into (3,) torch.float16"
+    with pytest.raises(ValueError) as info:
+        BlockMove(pool(4, (3,)), [0], pool(4, (2, 5), torch.float64), [0])
+    assert str(info.value) == "BlockMove: blocks (3,) torch.float16 into (2, 5) torch.float64"
+    with pytest.raises(ValueError) as info:
+        BlockMove(src, [0, 1], src, [0])
+    assert str(info.value) == "BlockMove: 2 source ids, 1 destination"
