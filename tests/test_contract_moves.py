@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _words
+from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _runs, _words
 from tests.helpers import spy_gather_ops
-from tests.test_moves import pool, reference, run_path, same_bits
+from tests.test_moves import check, pool, reference, run_path, same_bits
 
 
 def test_a_load_to_another_device_keeps_its_temporaries_until_released() -> None:
@@ -253,3 +253,19 @@ def test_a_refused_move_names_both_block_layouts() -> None:
     with pytest.raises(ValueError) as info:
         BlockMove(src, [0, 1], src, [0])
     assert str(info.value) == "BlockMove: 2 source ids, 1 destination"
+
+
+def test_sources_that_only_end_like_a_run_are_gathered_not_sliced() -> None:
+    """A run of source blocks is consecutive all the way: ids whose first and last
+    are as far apart as a run's ([5, 7, 6, 8]) are gathered block by block on every
+    path, never copied as the slice between their ends."""
+    cases = [
+        ([5, 7, 6, 8], [0, 1, 2, 3]),  # one destination run
+        ([5, 7, 6, 8, 9, 10], [0, 2, 4, 6, 8, 10]),  # more runs than MAX_RUN_OPS
+    ]
+    assert len(_runs(cases[1][1])) > MAX_RUN_OPS
+    for src_ids, dst_ids in cases:
+        check(src_ids, dst_ids)
+        for path in ("_from_host", "_to_other_device"):
+            _, ok = run_path(path, src_ids, dst_ids)
+            assert ok, (path, src_ids, dst_ids)
