@@ -393,3 +393,26 @@ def test_write_back_stores_only_as_many_leaves_as_asked() -> None:
     assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 6)
     assert trie.stats.stored_blocks == 1
     trie.check()
+
+
+def test_make_room_frees_leaves_then_only_the_frozen_tails_still_short() -> None:
+    """[R17]: the leaves eviction frees count toward the room; the frozen-tail pass
+    then evicts only the blocks still short (least recent first), and both count in
+    `stats.evicted_blocks`."""
+    trie, _ = ssm_trie(num_blocks=8, manual=False)
+    prompt = [1] * 4 + [2] * 4 + [3] * 2
+    held = _prefill(trie, prompt)  # 2 cached blocks and a private partial one, held
+    trie.save(held, 5, state(1.0))  # a frozen tail on the inner node
+    trie.save(held, 10, state(2.0))  # a frozen tail on the held leaf
+    trie.release(_prefill(trie, [7] * 4))  # one evictable leaf
+    assert (trie.num_free_blocks, trie.num_evictable_blocks) == (2, 1)
+    hungry = trie.match([9] * 16)
+    trie.allocate(hungry, 16)  # 4 blocks: 2 free, the leaf's, one frozen tail
+    assert trie.num_free_blocks == 0
+    assert (trie.stats.evicted_blocks, trie.stats.evicted_checkpoints) == (2, 1)
+    assert trie.num_cached_blocks == 2, "the held nodes stay"
+    trie.release(held)
+    assert trie.match([*prompt[:5], 7]).num_cached_tokens == 0  # step 5's went
+    assert trie.match([*prompt, 7]).num_cached_tokens == 10  # step 10's stays
+    trie.abort(hungry)
+    trie.check()
