@@ -416,24 +416,3 @@ def test_make_room_frees_leaves_then_only_the_frozen_tails_still_short() -> None
     assert trie.match([*prompt, 7]).num_cached_tokens == 10  # step 10's stays
     trie.abort(hungry)
     trie.check()
-
-
-def test_a_node_with_one_device_child_is_no_leaf_while_others_are_offloaded() -> None:
-    """[R48]: a node is a device leaf when all its children are offloaded; one with a
-    single child on the device is inner (`cached`, not evictable), even while some
-    other node has offloaded children."""
-    trie, copies = _host_trie()
-    trie.release(_prefill(trie, [5, 5, 9]))
-    copies.complete_all()
-    trie.poll()
-    assert trie.evict(1) == 1  # (5, 5) offloaded: the root has an offloaded child
-    assert trie._evictor.offloaded_children
-    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))
-    copies.complete_all()
-    trie.poll()
-    inner = next(n for n in trie._roots[""].child_nodes() if n.child_count())
-    assert inner.state == NodeState.CACHED.value
-    assert trie.num_evictable_blocks == 1  # only (2, 2)
-    assert trie.evict(1) == 1
-    assert inner.state == NodeState.EVICTABLE.value  # its one child is gone now
-    trie.check()
