@@ -416,3 +416,31 @@ def test_make_room_frees_leaves_then_only_the_frozen_tails_still_short() -> None
     assert trie.match([*prompt, 7]).num_cached_tokens == 10  # step 10's stays
     trie.abort(hungry)
     trie.check()
+
+
+def test_write_back_eviction_counts_the_stores_it_has_begun_toward_its_budget() -> None:
+    """[R52], [R23]: a leaf whose write-back store is begun counts toward the blocks
+    asked for: evicting 2 stores the oldest leaf and offloads the next (mirrored),
+    and the parent that offload leaves a device leaf stays, evictable."""
+    trie, copies = _host_trie(host_write="back")
+    device = _prefill(trie, [7, 7, 9])  # D, held while M is written back
+    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))  # P -> M
+    assert trie.evict(1) == 0  # M's store queued
+    again = trie.match([1, 1, 2, 2, 9])  # holds M: it stays when its store finishes
+    copies.complete_all()
+    trie.poll()
+    parent = next(n for n in trie._roots[""].child_nodes() if n.child_count())
+    (mirrored,) = parent.child_nodes()
+    assert mirrored.residency == Residency.MIRRORED.value
+    (oldest,) = [n for n in trie._roots[""].child_nodes() if n is not parent]
+    trie.release(device)  # D, older than M
+    trie.release(again)
+    assert trie.num_evictable_blocks == 2
+    assert trie.evict(2) == 1  # M offloaded; D's store queued
+    (store,) = copies.pending()
+    assert store.nodes == [oldest]
+    assert mirrored.residency == Residency.HOST.value
+    assert parent.state == NodeState.EVICTABLE.value
+    copies.complete_all()
+    trie.poll()
+    trie.check()
