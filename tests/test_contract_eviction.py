@@ -444,3 +444,27 @@ def test_write_back_eviction_counts_the_stores_it_has_begun_toward_its_budget() 
     copies.complete_all()
     trie.poll()
     trie.check()
+
+
+def test_write_back_eviction_counts_the_stores_finished_in_earlier_rounds() -> None:
+    """[R52], [R23]: blocks freed by write-back stores that finished when queued count
+    toward the blocks asked for in the rounds after: evicting 2 stores the leaf, then
+    offloads its parent (a mirrored device leaf now), and the grandparent that leaves
+    a device leaf stays on the device, evictable."""
+    trie = BlockTrie(_host_trie(host_write="back")[0].config)  # stores finish when queued
+    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))
+    assert trie.evict(1) == 1  # (2, 2) written back and offloaded
+    hit = trie.match([1, 1, 2, 2, 3, 3, 9])
+    load = trie.load(hit)
+    assert load is not None
+    trie.poll()  # (2, 2) loaded: mirrored
+    trie.allocate(hit, 7)
+    trie.commit(hit, 7)  # (3, 3) under it, on the device only
+    trie.release(hit)
+    grand = trie._roots[""].child_nodes()[0]
+    (mirrored,) = grand.child_nodes()
+    assert mirrored.residency == Residency.MIRRORED.value
+    assert trie.evict(2) == 2  # (3, 3) stored and offloaded, then (2, 2) offloaded
+    assert mirrored.residency == Residency.HOST.value
+    assert (grand.residency, grand.state) == (Residency.DEVICE.value, "evictable")
+    trie.check()
