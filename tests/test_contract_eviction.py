@@ -393,3 +393,78 @@ def test_write_back_stores_only_as_many_leaves_as_asked() -> None:
     assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 6)
     assert trie.stats.stored_blocks == 1
     trie.check()
+
+
+def test_make_room_frees_leaves_then_only_the_frozen_tails_still_short() -> None:
+    """[R17]: the leaves eviction frees count toward the room; the frozen-tail pass
+    then evicts only the blocks still short (least recent first), and both count in
+    `stats.evicted_blocks`."""
+    trie, _ = ssm_trie(num_blocks=8, manual=False)
+    prompt = [1] * 4 + [2] * 4 + [3] * 2
+    held = _prefill(trie, prompt)  # 2 cached blocks and a private partial one, held
+    trie.save(held, 5, state(1.0))  # a frozen tail on the inner node
+    trie.save(held, 10, state(2.0))  # a frozen tail on the held leaf
+    trie.release(_prefill(trie, [7] * 4))  # one evictable leaf
+    assert (trie.num_free_blocks, trie.num_evictable_blocks) == (2, 1)
+    hungry = trie.match([9] * 16)
+    trie.allocate(hungry, 16)  # 4 blocks: 2 free, the leaf's, one frozen tail
+    assert trie.num_free_blocks == 0
+    assert (trie.stats.evicted_blocks, trie.stats.evicted_checkpoints) == (2, 1)
+    assert trie.num_cached_blocks == 2, "the held nodes stay"
+    trie.release(held)
+    assert trie.match([*prompt[:5], 7]).num_cached_tokens == 0  # step 5's went
+    assert trie.match([*prompt, 7]).num_cached_tokens == 10  # step 10's stays
+    trie.abort(hungry)
+    trie.check()
+
+
+def test_write_back_eviction_counts_the_stores_it_has_begun_toward_its_budget() -> None:
+    """[R52], [R23]: a leaf whose write-back store is begun counts toward the blocks
+    asked for: evicting 2 stores the oldest leaf and offloads the next (mirrored),
+    and the parent that offload leaves a device leaf stays, evictable."""
+    trie, copies = _host_trie(host_write="back")
+    device = _prefill(trie, [7, 7, 9])  # D, held while M is written back
+    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))  # P -> M
+    assert trie.evict(1) == 0  # M's store queued
+    again = trie.match([1, 1, 2, 2, 9])  # holds M: it stays when its store finishes
+    copies.complete_all()
+    trie.poll()
+    parent = next(n for n in trie._roots[""].child_nodes() if n.child_count())
+    (mirrored,) = parent.child_nodes()
+    assert mirrored.residency == Residency.MIRRORED.value
+    (oldest,) = [n for n in trie._roots[""].child_nodes() if n is not parent]
+    trie.release(device)  # D, older than M
+    trie.release(again)
+    assert trie.num_evictable_blocks == 2
+    assert trie.evict(2) == 1  # M offloaded; D's store queued
+    (store,) = copies.pending()
+    assert store.nodes == [oldest]
+    assert mirrored.residency == Residency.HOST.value
+    assert parent.state == NodeState.EVICTABLE.value
+    copies.complete_all()
+    trie.poll()
+    trie.check()
+
+
+def test_write_back_eviction_counts_the_stores_finished_in_earlier_rounds() -> None:
+    """[R52], [R23]: blocks freed by write-back stores that finished when queued count
+    toward the blocks asked for in the rounds after: evicting 2 stores the leaf, then
+    offloads its parent (a mirrored device leaf now), and the grandparent that leaves
+    a device leaf stays on the device, evictable."""
+    trie = BlockTrie(_host_trie(host_write="back")[0].config)  # stores finish when queued
+    trie.release(_prefill(trie, [1, 1, 2, 2, 9]))
+    assert trie.evict(1) == 1  # (2, 2) written back and offloaded
+    hit = trie.match([1, 1, 2, 2, 3, 3, 9])
+    load = trie.load(hit)
+    assert load is not None
+    trie.poll()  # (2, 2) loaded: mirrored
+    trie.allocate(hit, 7)
+    trie.commit(hit, 7)  # (3, 3) under it, on the device only
+    trie.release(hit)
+    grand = trie._roots[""].child_nodes()[0]
+    (mirrored,) = grand.child_nodes()
+    assert mirrored.residency == Residency.MIRRORED.value
+    assert trie.evict(2) == 2  # (3, 3) stored and offloaded, then (2, 2) offloaded
+    assert mirrored.residency == Residency.HOST.value
+    assert (grand.residency, grand.state) == (Residency.DEVICE.value, "evictable")
+    trie.check()

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _words
+from cache.moves import MAX_RUN_OPS, SPLIT_RUN_BYTES, BlockMove, _runs, _words
 from tests.helpers import spy_gather_ops
-from tests.test_moves import pool, reference, run_path, same_bits
+from tests.test_moves import check, pool, reference, run_path, same_bits
 
 
 def test_a_load_to_another_device_keeps_its_temporaries_until_released() -> None:
@@ -238,3 +238,34 @@ def test_a_store_from_another_device_gathers_there_then_copies_run_by_run(
     assert d.data_ptr() == dst.data_ptr()
     assert d_ids == [3, 4, 9, 20, 21] and s_ids == [2, 5, 11, 17, 30]
     assert runs == [(0, 2), (2, 1), (3, 2)]
+
+
+def test_a_refused_move_names_both_block_layouts() -> None:
+    """The refusal of pools that differ in block shape or dtype states each pool's
+    block shape (its shape past the block dimension) and dtype, word for word."""
+    src = pool(4)  # blocks (4, 3) float16
+    with pytest.raises(ValueError) as info:
+        BlockMove(src, [0], pool(4, (3,)), [0])
+    assert str(info.value) == "BlockMove: blocks (4, 3) torch.float16 into (3,) torch.float16"
+    with pytest.raises(ValueError) as info:
+        BlockMove(pool(4, (3,)), [0], pool(4, (2, 5), torch.float64), [0])
+    assert str(info.value) == "BlockMove: blocks (3,) torch.float16 into (2, 5) torch.float64"
+    with pytest.raises(ValueError) as info:
+        BlockMove(src, [0, 1], src, [0])
+    assert str(info.value) == "BlockMove: 2 source ids, 1 destination"
+
+
+def test_sources_that_only_end_like_a_run_are_gathered_not_sliced() -> None:
+    """A run of source blocks is consecutive all the way: ids whose first and last
+    are as far apart as a run's ([5, 7, 6, 8]) are gathered block by block on every
+    path, never copied as the slice between their ends."""
+    cases = [
+        ([5, 7, 6, 8], [0, 1, 2, 3]),  # one destination run
+        ([5, 7, 6, 8, 9, 10], [0, 2, 4, 6, 8, 10]),  # more runs than MAX_RUN_OPS
+    ]
+    assert len(_runs(cases[1][1])) > MAX_RUN_OPS
+    for src_ids, dst_ids in cases:
+        check(src_ids, dst_ids)
+        for path in ("_from_host", "_to_other_device"):
+            _, ok = run_path(path, src_ids, dst_ids)
+            assert ok, (path, src_ids, dst_ids)
