@@ -13,6 +13,8 @@ from __future__ import annotations
 from enum import Enum
 
 import pytest
+from transitions import Machine
+from transitions.extensions import GraphMachine
 
 from spec.errors import IllegalTransition
 from spec.lifecycle import (
@@ -148,3 +150,10 @@ def test_implied_copy_state_follows_the_facts_in_order() -> None:
     assert implied_copy_state(reaped=False, failed=True, moved=True) == CopyState.FAILED
     assert implied_copy_state(reaped=False, failed=False, moved=True) == CopyState.FINISHED
     assert implied_copy_state(reaped=False, failed=False, moved=False) == CopyState.QUEUED
+
+
+def test_a_machine_is_flat_unless_a_graph_is_asked_for_and_then_titled() -> None:
+    """The tables are built from a plain `Machine`; only diagrams get a `GraphMachine`."""
+    assert type(NODE.machine()) is Machine
+    graph = CHECKPOINT.machine(graph=True)
+    assert isinstance(graph, GraphMachine) and graph.title == "checkpoint lifecycle"
