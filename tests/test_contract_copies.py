@@ -16,14 +16,21 @@ The engines' refusals name the engine and the copy exactly.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from cache.copies import Copy, DeviceCopies, ManualCopies
-from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
+from cache.copies import Copy, DeviceCopies, ManualCopies, TensorMove
+from spec.errors import (
+    CacheError,
+    CopyFailed,
+    IllegalTransition,
+    InvalidArgument,
+    InvalidType,
+)
 from spec.lifecycle import CopyTrigger
 
 
@@ -255,3 +262,108 @@ def test_a_failed_cuda_copy_keeps_its_temporaries_until_reaped(fake_cuda: _Log) 
     copy.fire(CopyTrigger.REAP)
     assert copy.state == "reaped" and copy.failed is True
     assert log.calls == [("release", move)]
+
+
+def test_an_illegal_copy_step_names_the_copy_and_changes_nothing() -> None:
+    copy = Copy("restore", 3, [], [("slot", 1)], 7)
+    message = (
+        "copy lifecycle: trigger 'reap' is not allowed from state 'queued' "
+        "on <Copy #7 restore step=3 queued>"
+    )
+    with pytest.raises(IllegalTransition, match=f"^{re.escape(message)}$"):
+        copy.fire(CopyTrigger.REAP)
+    assert copy.state == "queued" and copy.failed is False
+
+
+def test_a_copy_never_queued_has_no_engine_to_wait_for() -> None:
+    """`wait()` on a copy no engine has queued returns at once and changes nothing."""
+    copy = Copy("save", 1, [], [("slot", 0)], 2)
+    copy.wait()
+    assert copy.state == "queued" and copy.failed is False
+
+
+def test_forget_drops_exactly_the_copy_it_names_wherever_it_is_queued() -> None:
+    engine = ManualCopies()
+    first, middle, last = (Copy("save", 1, [], [("slot", i)], i) for i in range(3))
+    for copy in (first, middle, last):
+        engine.queue(copy)
+    engine.forget(middle)
+    assert engine.pending() == [first, last]
+    engine.forget(last)
+    assert engine.pending() == [first]
+    engine.forget(Copy("save", 1, [], [], 9))  # never queued: nothing to drop
+    assert engine.pending() == [first]
+    engine.forget(first)
+    engine.forget(first)  # nothing queued at all
+    assert engine.pending() == [] and engine.collect() == []
+
+
+def test_completing_a_non_copy_names_its_type() -> None:
+    with pytest.raises(InvalidType, match=r"^complete\(\) takes a Copy, got int$"):
+        ManualCopies().complete(3)  # type: ignore[arg-type]
+
+
+def test_completing_a_copy_completes_only_the_earlier_pending_copies_it_shares_with() -> None:
+    """A stream runs in order: completing a copy first completes each earlier pending
+    copy that touches one of its slots or blocks, and no other."""
+    engine = ManualCopies()
+    data = [torch.full((2,), float(i + 1)) for i in range(3)]
+    out = [torch.zeros(2) for _ in range(3)]
+    other = Copy("save", 1, [TensorMove(data[0], out[0])], [("slot", 0)], 1)
+    shared = Copy("save", 1, [TensorMove(data[1], out[1])], [("slot", 1)], 2)
+    copy = Copy("restore", 1, [TensorMove(data[2], out[2])], [("slot", 1), ("block", 4)], 3)
+    for c in (other, shared, copy):
+        engine.queue(c)
+    engine.complete(copy)
+    assert [c.state for c in (other, shared, copy)] == ["queued", "finished", "finished"]
+    assert [t.tolist() for t in out] == [[0.0, 0.0], [2.0, 2.0], [3.0, 3.0]]
+    assert engine.pending() == [other]
+
+
+def test_waiting_for_a_manual_copy_completes_it_with_the_copies_it_depends_on() -> None:
+    engine = ManualCopies()
+    src, mid, dst = torch.ones(2), torch.zeros(2), torch.zeros(2)
+    first = Copy("save", 1, [TensorMove(src, mid)], [("slot", 0)], 1)
+    second = Copy("restore", 1, [TensorMove(mid, dst)], [("slot", 0)], 2)
+    engine.queue(first)
+    engine.queue(second)
+    second.wait()
+    assert (first.state, second.state) == ("finished", "finished")
+    assert dst.tolist() == [1.0, 1.0] and engine.pending() == []
+
+
+class _FailsOnRun:
+    """A move whose run declares another queued copy failed (as an engine that sees
+    it go wrong would)."""
+
+    def __init__(self, engine: ManualCopies) -> None:
+        self.engine = engine
+        self.victim: Copy | None = None
+
+    def run(self) -> None:
+        assert self.victim is not None
+        self.engine.fail(self.victim)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_copy_failed_while_its_earlier_copies_complete_never_completes() -> None:
+    engine = ManualCopies()
+    move = _FailsOnRun(engine)
+    earlier = Copy("save", 1, [move], [("slot", 0)], 1)
+    out = torch.zeros(2)
+    copy = Copy("restore", 1, [TensorMove(torch.ones(2), out)], [("slot", 0)], 2)
+    move.victim = copy
+    engine.queue(earlier)
+    engine.queue(copy)
+    with pytest.raises(
+        CopyFailed,
+        match=r"^complete\(\): <Copy #2 restore step=1 failed> failed; it can never complete$",
+    ):
+        engine.complete(copy)
+    assert (earlier.state, copy.state) == ("finished", "failed")
+    assert out.tolist() == [0.0, 0.0]

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from cache.keys import pack_tokens
-from cache.node import NO_CHILDREN, Node, child_of
+from cache.node import NO_BLOCK, NO_CHILDREN, Node, child_of
 from tests.helpers import detached_node, ssm_trie, state
 
 MESSAGE = "NO_CHILDREN is shared by every leaf and is read-only"
@@ -130,3 +130,16 @@ def test_the_keyword_constructor_links_its_parent() -> None:
     assert (node.extra, node.block, node.namespace, node.serial) == ("e", 3, "t", 4)
     assert (node.tick, node.block_hash, node.state, node.tokens) == (5, 6, "s", (1,))
     assert node.children is NO_CHILDREN and node.checkpoint is None
+    assert (node.host, node.residency) == (NO_BLOCK, "device")
+
+
+def test_the_keyword_constructor_and_child_of_build_the_same_record() -> None:
+    root = detached_node(namespace="ns")
+    key = pack_tokens([7, 8])
+    fields = {"key": key, "block": 3, "serial": 2, "tick": 5, "block_hash": 9, "state": "cached"}
+    built = Node(parent=root, namespace="ns", **fields)  # type: ignore[arg-type]
+    fast = child_of(root, **fields)  # type: ignore[arg-type]
+    assert {f: getattr(built, f) for f in Node.__slots__} == {
+        f: getattr(fast, f) for f in Node.__slots__
+    }
+    assert (fast.host, fast.residency, fast.namespace) == (NO_BLOCK, "device", "ns")

@@ -14,7 +14,13 @@ import torch
 
 from cache.faults import Faults
 from cache.state_pool import CheckpointSlotPool
-from spec.errors import CacheError, InvalidArgument, InvalidType, OutOfStateSlots
+from spec.errors import (
+    AllocationFailed,
+    CacheError,
+    InvalidArgument,
+    InvalidType,
+    OutOfStateSlots,
+)
 
 
 def _pool(shapes: dict[str, tuple[int, ...]], slots: int = 2) -> CheckpointSlotPool:
@@ -82,3 +88,45 @@ def test_giving_back_a_slot_never_taken_is_a_double_release() -> None:
     ):
         pool.give(1)
     assert pool.free_ids() == [1, 0]
+
+
+def test_each_pool_takes_at_its_own_fault_point() -> None:
+    """The device pool's takes are `slots.take`, a host checkpoint pool's `host_slots.take`:
+    a fault armed for a host take fails that take only, naming its point, taking nothing."""
+    faults = Faults()
+    shapes = {"ssm": (3,)}
+    device = CheckpointSlotPool(2, shapes, torch.float32, torch.device("cpu"), faults)
+    host = CheckpointSlotPool(
+        2, shapes, torch.float32, torch.device("cpu"), faults, name="host checkpoint pool"
+    )
+    assert (device.take(), host.take()) == (0, 0)
+    assert faults.points == ["slots.take", "host_slots.take"]
+    faults.arm(after=1)
+    assert device.take() == 1
+    with pytest.raises(
+        AllocationFailed, match=r"^injected allocation failure at host_slots\.take$"
+    ):
+        host.take()
+    assert host.free_ids() == [1] and faults.points[-2:] == ["slots.take", "host_slots.take"]
+    assert host.take() == 1
+
+
+def test_a_meta_tensor_is_refused_with_its_reason() -> None:
+    message = "runtime_state['ssm'] is on the meta device (no data)"
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(message)}$"):
+        _pool({"ssm": (3,)}).check_runtime({"ssm": torch.zeros(3, device="meta")})
+
+
+def test_a_sparse_tensor_is_refused_with_its_layout() -> None:
+    message = "runtime_state['ssm'] must be a dense (strided) tensor, got layout torch.sparse_coo"
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(message)}$"):
+        _pool({"ssm": (3,)}).check_runtime({"ssm": torch.zeros(3).to_sparse()})
+
+
+def test_a_state_that_requires_grad_is_refused_only_for_a_restore() -> None:
+    """A save reads a state that requires grad as plain data; a restore cannot write it."""
+    tensor = torch.zeros(3, requires_grad=True)
+    assert _pool({"ssm": (3,)}).check_runtime({"ssm": tensor})["ssm"] is tensor
+    message = "runtime_state['ssm'] requires grad; a restore cannot write into it"
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(message)}$"):
+        _pool({"ssm": (3,)}).check_runtime({"ssm": tensor}, written=True)

@@ -4,8 +4,9 @@ A copy names every slot and block it touches in `Copy.resources` (an engine
 orders copies that share one by it, [R36]); a restore writes the frozen tail
 into the sequence's block, never the other way; a copy that fails while being
 queued is undone and forgotten by the engine ([R38]); failing a save fails
-only the restores still queued on its checkpoint ([R46]); the
-`copies_reaped` / `copies_failed` counters count every reaped copy.
+only the restores still queued on its checkpoint ([R46]), and failing a load
+only the loads queued on its blocks ([R50]); the `copies_reaped` /
+`copies_failed` counters count every reaped copy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from cache import BlockTrie, CacheError, Copy, DeviceCopies, Sequence
 from tests.helpers import empty_state, ssm_trie, state
+from tests.test_host_tier import OTHER, A, assert_reads, host_trie, serve_manual
 
 PROMPT = [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]  # two full blocks of 4 and a partial one
 
@@ -155,4 +157,26 @@ def test_a_copy_holding_host_blocks_needs_a_host_tier() -> None:
     with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
         trie._transfers.hold(copy, [], [0])
     assert copy.host_blocks == []
+    trie.check()
+
+
+def test_a_failed_load_fails_only_the_queued_loads_that_share_its_blocks() -> None:
+    """[R50]: a load ordered after a failed one fails too; a load of other blocks
+    is not ordered after it, stays queued and delivers its data."""
+    trie, copies = host_trie(num_blocks=10, manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    serve_manual(trie, copies, OTHER)
+    trie.evict(10)
+    first, second = trie.match(A), trie.match(OTHER)
+    failing, other = trie.load(first), trie.load(second)
+    assert failing is not None and other is not None
+    assert not failing.resources & other.resources
+    copies.fail(failing)
+    assert (failing.state, other.state) == ("failed", "queued") and not other.failed
+    copies.complete(other)
+    assert trie.poll() == 2
+    assert_reads(trie, second, OTHER)
+    trie.abort(first)
+    trie.release(second)
     trie.check()
