@@ -141,7 +141,7 @@ def measure(
         or after.steal is None
         or before.total is None
         or after.total is None
-    ):
+    ):  # spelled out, not `None in (...)`: mypy narrows each one
         return Load(max(seconds, 0.0), None, None, False)
     others = (after.busy - before.busy) - (after.own - before.own)
     other_cores = max(others, 0.0) / seconds  # clock ticks are coarser than rusage

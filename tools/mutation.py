@@ -116,15 +116,7 @@ def save_record(
 ) -> list[FileScore]:
     """Record `scores` (files with results only) over `path`'s entries; returns those
     recorded. Each entry keeps the source's SHA-256, the commit and the date."""
-    entries = {
-        file: {
-            "score": asdict(rec.score),
-            "source_sha256": rec.source_sha256,
-            "commit": rec.commit,
-            "date": rec.date,
-        }
-        for file, rec in load_record(path).items()
-    }
+    entries = json.loads(path.read_text()) if path.exists() else {}
     commit = _head_commit(root)
     today = datetime.date.today().isoformat()
     kept = [s for s in scores if s.counted or s.not_counted]
