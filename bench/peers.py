@@ -107,14 +107,70 @@ def rescale_trace(src: Path, dst: Path, block_size: int, passes: int) -> None:
                 f.write(json.dumps(rec) + "\n")
 
 
-def load_row(traces: Path, row: Row, block_size: int, tmp: Path) -> Workload[Any] | None:
+def row_trace(traces: Path, row: Row, block_size: int, tmp: Path) -> Path | None:
+    """The row's trace rescaled to `block_size` tokens per hash id (written into `tmp`
+    once), or None when the source trace is missing."""
     src = traces / row.trace
     if not src.is_file():
         return None
     dst = tmp / f"{src.stem}-b{block_size}-x{row.passes}.jsonl"
     if not dst.exists():
         rescale_trace(src, dst, block_size, row.passes)
-    return load_trace(dst, "mooncake", block_size)
+    return dst
+
+
+def load_row(traces: Path, row: Row, block_size: int, tmp: Path) -> Workload[Any] | None:
+    dst = row_trace(traces, row, block_size, tmp)
+    return None if dst is None else load_trace(dst, "mooncake", block_size)
+
+
+# --------------------------------------------------------------------------
+# vLLM, in a child process with whichever Python has it
+
+
+def find_vllm_python(explicit: str | None) -> tuple[str | None, str]:
+    """The interpreter to run `bench.vllm_peer` with, and why (or why none).
+
+    `explicit` (``--vllm-python``) must import vLLM's KV cache manager; without
+    it, ``$BLOCKTRIE_VLLM_PYTHON`` and then this interpreter are tried.
+    """
+    probe = "import vllm.v1.core.kv_cache_manager"
+    if explicit:
+        candidates = [explicit]
+    else:
+        candidates = [c for c in (os.environ.get("BLOCKTRIE_VLLM_PYTHON"), sys.executable) if c]
+    reasons = []
+    for python in candidates:
+        try:
+            proc = subprocess.run(
+                [python, "-c", probe], capture_output=True, text=True, timeout=300, cwd="/"
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            reasons.append(f"{python}: {exc}")
+            continue
+        if proc.returncode == 0:
+            return python, f"vLLM from {python}"
+        last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        reasons.append(f"{python}: {last}")
+    return None, "; ".join(reasons) or "no interpreter given"
+
+
+def run_vllm_child(python: str, args: list[str]) -> dict[str, Any]:
+    """Run ``python -m bench.vllm_peer ARGS`` from the repository root; its last line
+    of output is the JSON result."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [python, "-m", "bench.vllm_peer", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"bench.vllm_peer {' '.join(args)} failed:\n{tail}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
 
 
 # --------------------------------------------------------------------------
@@ -274,26 +330,22 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
         f"Mooncake hash id; thread CPU time per op (clock read {overhead:.0f} ns, subtracted); "
         f"best of {args.repeats}"
     )
+    vllm, vllm_why = find_vllm_python(getattr(args, "vllm_python", None))
+    print_(f"  vLLM peer: {vllm_why if vllm else 'skipped (' + vllm_why + ')'}")
     table = Table(title="ns of cache code per prompt block (events off)")
-    for col in (
-        "workload, capacity",
-        "dict trie",
-        "blocktrie",
-        "vs dict",
-        "column trie",
-        "col vs dict",
-        "hit rate",
-        "evicted",
-    ):
+    columns = ["workload, capacity", "dict trie", "blocktrie", "vs dict", "column trie"]
+    columns += ["col vs dict", *(["vLLM", "bt vs vLLM"] if vllm else []), "hit rate", "evicted"]
+    for col in columns:
         table.add_column(col, justify="left" if col.startswith("workload") else "right")
     rows: list[dict[str, Any]] = []
     events_row: dict[str, Any] | None = None
     with _tmpdir() as tmp:
         for row in rows_for(args.quick):
-            workload = load_row(traces, row, b, tmp)
-            if workload is None:
+            path = row_trace(traces, row, b, tmp)
+            if path is None:
                 print_(f"  {row.label}: skipped ({traces / row.trace} not found)")
                 continue
+            workload = load_trace(path, "mooncake", b)
             impls = ["blocktrie", "dict-trie", "column-trie"]
             with_events = row.capacity == 60_000 and row.trace == CONVERSATION
             if with_events:
@@ -304,9 +356,21 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                     r = run_once(workload, IMPLS[name], b, row.capacity, overhead)
                     if name not in best or r["ns_per_block"] < best[name]["ns_per_block"]:
                         best[name] = r
+            if vllm:  # in its own process, right after the in-process peers
+                child_args = ["--row", str(path), str(b), str(row.capacity)]
+                child_args += [str(args.repeats), str(overhead)]
+                best["vllm"] = run_vllm_child(vllm, child_args)
             bt, dt, ct = best["blocktrie"], best["dict-trie"], best["column-trie"]
             ratio = bt["ns_per_block"] / dt["ns_per_block"]
             column_ratio = ct["ns_per_block"] / dt["ns_per_block"]
+            extra: dict[str, float] = {}
+            cells: list[str] = []
+            hits = f"{bt['hit_rate']:.2%} / {dt['hit_rate']:.2%}"
+            if vllm:
+                vt = best["vllm"]
+                extra["vs_vllm"] = bt["ns_per_block"] / vt["ns_per_block"]
+                cells = [f"{vt['ns_per_block']:,.0f}", f"{extra['vs_vllm']:.2f}x"]
+                hits += f" / {vt['hit_rate']:.2%}"
             rows.append(
                 {
                     "row": row.label,
@@ -314,6 +378,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                     **best,
                     "vs_dict": ratio,
                     "column_vs_dict": column_ratio,
+                    **extra,
                 }
             )
             same = ct["hit_rate"] == dt["hit_rate"] and ct["evicted_blocks"] == dt["evicted_blocks"]
@@ -324,7 +389,8 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                 f"{ratio:.2f}x",
                 f"{ct['ns_per_block']:,.0f}",
                 f"{column_ratio:.2f}x" + ("" if same else " (hits differ!)"),
-                f"{bt['hit_rate']:.2%} / {dt['hit_rate']:.2%}",
+                *cells,
+                hits,
                 f"{bt['evicted_blocks']:,}",
             )
             if with_events:
@@ -338,10 +404,20 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                 }
     print_(table)
     print_(
-        "[dim]hit rate: blocktrie / dict trie (both LRU; tie-breaks may differ under "
+        "[dim]hit rate: blocktrie / dict trie"
+        + (" / vLLM" if vllm else "")
+        + " (all LRU; tie-breaks may differ under "
         "eviction). evicted: blocktrie's evicted blocks. column trie: the dict trie's "
         "algorithm stored as columns (bench.column_trie; its hits equal the dict trie's), "
-        "what the column layout alone costs.[/dim]"
+        "what the column layout alone costs."
+        + (
+            " vLLM: its KVCacheManager with sha256 block hashes, driven as its scheduler "
+            "does (bench.vllm_peer), best of the same number of runs in a child process "
+            "right after the in-process ones."
+            if vllm
+            else ""
+        )
+        + "[/dim]"
     )
     if events_row is not None:
         print_(
@@ -353,14 +429,23 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
     memory: dict[str, Any] = {}
     if args.memory:
         n = MEMORY_BLOCKS // 4 if args.quick else MEMORY_BLOCKS
-        for name in ("blocktrie", "dict-trie", "column-trie"):
-            memory[name] = m = measure_memory(name, n)
+        for name in ("blocktrie", "dict-trie", "column-trie", *(["vllm"] if vllm else [])):
+            if name == "vllm":
+                memory[name] = m = run_vllm_child(vllm, ["--memory", str(n)])  # type: ignore[arg-type]
+            else:
+                memory[name] = m = measure_memory(name, n)
             print_(
                 f"  memory, {name}: {m['bytes_per_block']:,.0f} B per cached block "
                 f"(RSS growth {m['rss_growth_bytes'] / 2**20:,.0f} MiB / "
                 f"{m['cached_blocks']:,} blocks of 16 distinct-int token ids)"
             )
-    out["peers"] = {"rows": rows, "events": events_row, "memory": memory, "clock_ns": overhead}
+    out["peers"] = {
+        "rows": rows,
+        "events": events_row,
+        "memory": memory,
+        "clock_ns": overhead,
+        "vllm": vllm_why if vllm else None,
+    }
 
 
 def main(argv: list[str]) -> int:

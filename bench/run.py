@@ -696,6 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="peers: best of 1, a 2x10^5-block evicting row and 2^18-block memory runs",
     )
     p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="peers: a Python with vLLM installed, to run vLLM's KVCacheManager as a peer "
+        "(bench.vllm_peer); default: this Python if it has vLLM, else $BLOCKTRIE_VLLM_PYTHON, "
+        "else the vLLM columns are skipped",
+    )
+    p.add_argument(
         "--traces-dir",
         default="/work/shared/traces",
         help="peers: folder of the Mooncake traces (rows whose file is missing are skipped)",
