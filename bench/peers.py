@@ -15,7 +15,13 @@ without blocktrie's guards). Then bytes per cached block (RSS
 growth of a fresh process caching ~10^6 blocks of realistic token ids, ÷
 cached blocks) for both, and blocktrie's per-block cost with events on (xxh3
 chained block hashes, events built, drained and encoded to vLLM's wire format
-at every poll) vs off.
+at every poll) vs off, and with the stable hash alone (events built and
+drained, not encoded: what the hash adds when vLLM's total is compared).
+
+With a Python that has vLLM (``--vllm-python``, ``$BLOCKTRIE_VLLM_PYTHON``, or
+this one), every row and the memory line also run vLLM's own
+`KVCacheManager` (`bench.vllm_peer`, in a child process), and the table gives
+blocktrie's cost as a ratio to vLLM's (issue 13's "<= 1/3 of vLLM").
 
 Trace mapping: one Mooncake hash id becomes one cache block (a marker token
 plus positions, the planner's `load_mooncake` mapping), so the trie has the
@@ -189,12 +195,15 @@ def clock_overhead_ns(clock: Callable[[], int]) -> float:
 
 
 class _EventDrain:
-    """A BlockTrie with events on whose `poll` also drains the events and encodes them
-    to vLLM's wire format (`encode_batch`), as an engine's publishing caller does; a
-    publisher's sender thread would then only hand the bytes to ZMQ."""
+    """A BlockTrie with events on whose `poll` also drains the events and (with
+    `encode`) encodes them to vLLM's wire format (`encode_batch`), as an engine's
+    publishing caller does; a publisher's sender thread would then only hand the
+    bytes to ZMQ. Without `encode` it measures what the stable block hash and the
+    events' recording add on their own."""
 
-    def __init__(self, trie: Any) -> None:
+    def __init__(self, trie: Any, encode: bool = True) -> None:
         self._trie = trie
+        self._encode = encode
 
     def __getattr__(self, name: str) -> Any:
         # Methods are bound once, so forwarding costs the events row nothing per call
@@ -209,12 +218,14 @@ class _EventDrain:
 
         n = int(self._trie.poll())
         events = self._trie.drain_events()
-        if events:
+        if events and self._encode:
             encode_batch(events, ts=0.0)
         return n
 
 
-def make_blocktrie(block_size: int, capacity: int, events: bool = False) -> Any:
+def make_blocktrie(
+    block_size: int, capacity: int, events: bool = False, encode: bool = True
+) -> Any:
     from cache import BlockTrie, CacheConfig
 
     trie = BlockTrie(
@@ -222,7 +233,7 @@ def make_blocktrie(block_size: int, capacity: int, events: bool = False) -> Any:
             block_size=block_size, num_blocks=capacity, kv_block_shape=None, enable_events=events
         )
     )
-    return _EventDrain(trie) if events else trie
+    return _EventDrain(trie, encode) if events else trie
 
 
 IMPLS: dict[str, Callable[[int, int], Any]] = {
@@ -230,6 +241,7 @@ IMPLS: dict[str, Callable[[int, int], Any]] = {
     "dict-trie": DictTrie,
     "column-trie": ColumnTrie,
     "blocktrie+events": lambda b, cap: make_blocktrie(b, cap, events=True),
+    "blocktrie+hash": lambda b, cap: make_blocktrie(b, cap, events=True, encode=False),
 }
 
 
@@ -349,7 +361,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
             impls = ["blocktrie", "dict-trie", "column-trie"]
             with_events = row.capacity == 60_000 and row.trace == CONVERSATION
             if with_events:
-                impls.append("blocktrie+events")
+                impls += ["blocktrie+hash", "blocktrie+events"]
             best: dict[str, dict[str, Any]] = {}
             for _ in range(args.repeats):  # interleaved, best of N
                 for name in impls:
@@ -394,13 +406,15 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                 f"{bt['evicted_blocks']:,}",
             )
             if with_events:
-                ev = best["blocktrie+events"]
+                ev, hashed = best["blocktrie+events"], best["blocktrie+hash"]
                 events_row = {
                     "row": row.label,
                     "off_ns_per_block": bt["ns_per_block"],
                     "on_ns_per_block": ev["ns_per_block"],
                     "added_ns_per_block": ev["ns_per_block"] - bt["ns_per_block"],
                     "ratio": ev["ns_per_block"] / bt["ns_per_block"],
+                    "hash_ns_per_block": hashed["ns_per_block"],
+                    "hash_ratio": hashed["ns_per_block"] / bt["ns_per_block"],
                 }
     print_(table)
     print_(
@@ -424,7 +438,9 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
             f"  events on (xxh3 block hashes; events built, drained and encoded each poll), "
             f"{events_row['row']}: {events_row['on_ns_per_block']:,.0f} ns/block vs "
             f"{events_row['off_ns_per_block']:,.0f} off = "
-            f"+{events_row['added_ns_per_block']:,.0f} ns ({events_row['ratio']:.2f}x)"
+            f"+{events_row['added_ns_per_block']:,.0f} ns ({events_row['ratio']:.2f}x); "
+            f"the stable hash alone (events on, drained, not encoded): "
+            f"{events_row['hash_ns_per_block']:,.0f} ns/block ({events_row['hash_ratio']:.2f}x)"
         )
     memory: dict[str, Any] = {}
     if args.memory:
