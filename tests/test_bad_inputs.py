@@ -217,8 +217,10 @@ def _rows() -> list[Any]:
     add(t, "match-set", lambda w: w.trie.match({1, 2}), InvalidType, "tokens")
     add(t, "match-bytes-token", lambda w: w.trie.match([b"a"]), InvalidType, "tokens")
     add(t, "match-str-before-range", lambda w: w.trie.match(["1", -1]), InvalidType, "tokens")
-    add(t, "match-tensor-as-tokens", lambda w: w.trie.match(torch.tensor([1, 2])),
+    add(t, "match-float-tensor-as-tokens", lambda w: w.trie.match(torch.tensor([1.0, 2.0])),
         InvalidType, "tokens")
+    add(t, "match-2d-tensor-as-tokens",
+        lambda w: w.trie.match(torch.ones((2, 2), dtype=torch.int64)), InvalidType, "tokens")
     add(t, "match-namespace-int", lambda w: w.trie.match([1], namespace=3),
         InvalidType, "namespace")
     add(t, "match-namespace-none", lambda w: w.trie.match([1], namespace=None),

@@ -413,7 +413,10 @@ def test_bad_tokens_name_the_first_offender(tokens: list[object], message: str) 
 def test_tokens_that_are_not_a_list_name_their_type() -> None:
     from cache.validation import token_list
 
-    with pytest.raises(InvalidType, match=r"^prompt must be a list or tuple of ints, got str$"):
+    with pytest.raises(
+        InvalidType,
+        match=r"^prompt must be a list or tuple of ints, or a 1-D integer array, got str$",
+    ):
         token_list("12", what="prompt")
 
 
