@@ -67,9 +67,9 @@ def token_list(tokens: object, what: str = "tokens") -> array[int]:
 def _array_tokens(tokens: object, what: str) -> array[int]:
     """`token_list` for a one-dimensional integer array (anything else: `InvalidType`).
 
-    The array is read once, in C: a numpy array's range is checked with one
-    `min` / `max` and its ids copied out as native uint32 (uint64 when one
-    needs it); a CPU tensor is read through numpy without a copy (through its
+    The array is read once, in C: a numpy array's range and width come from
+    one `max` (`_numpy_tokens`) and its ids are copied out as native uint32
+    (uint64 when one needs it); a CPU tensor is read through numpy without a copy (through its
     list of ids where numpy is absent); an `array.array` converts as a list
     does. A tensor on another device is refused: reading it would synchronize
     that device behind the engine's back. Bool arrays are refused (a mask is
