@@ -4,6 +4,16 @@ Owns the list of emitted-but-undrained events and, for `check()`, the block set
 that the drained events replayed to, so invariant 10 ("replaying the events
 yields exactly the cached block set") can be checked at any time. When events
 are disabled every `emit_*` is a no-op and nothing accumulates.
+
+A commit's `BlockStored` (the hot one: one per commit that attaches blocks) is
+recorded as what the commit already holds, a *stored run* (`StoredRun`: the
+parent's hash, the new nodes, their keys and block ids), and built only when
+read: `drain` builds every event, as it always returned them; `drain_records`
+hands the records over unbuilt (`EventRecords`), for a publisher that encodes
+in another process (`cache.kv_publisher_process`). Everything a run is built
+from is fixed when it is recorded (a node's hash, key and namespace never
+change; the parent's hash and the block ids are copied), so a run builds the
+same event whenever it is read.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cache.events import (
     CHECKPOINT_GROUP,
@@ -29,6 +39,11 @@ from cache.events import (
     replay_views,
 )
 from cache.keys import joined_tokens, key_packed
+
+StoredRun: TypeAlias = tuple[Any, ...]
+# (parent hash | None, nodes, keys, block ids, block size, namespace)
+"""A commit's `BlockStored` as recorded (a plain tuple: only events are NamedTuples);
+`stored_event` builds it."""
 
 _block_hash = attrgetter("block_hash")
 _block = attrgetter("block")
@@ -62,7 +77,7 @@ class EventLog:
 
     def __init__(self, enabled: bool, scheme: str = "xxh3", seed: int = 0) -> None:
         self.enabled = enabled
-        self._events: list[Event] = []
+        self._events: list[Event | StoredRun] = []
         self._drained_view: set[int] = set()
         self._drained_checkpoints: set[int] = set()
         self._drained_host: set[int] = set()
@@ -100,39 +115,25 @@ class EventLog:
         blocks: Sequence[int],
         block_size: int,
     ) -> None:
-        """One `BlockStored` for a chain of nodes attached by one commit, parent first.
+        """Record the `BlockStored` of a chain of nodes attached by one commit, parent
+        first, as a stored run (built when read: `stored_event`).
 
         `keys[i]` and `blocks[i]` are `nodes[i].key` and `nodes[i].block` (the
-        commit holds them already, in its keys and block table).
+        commit holds them already, in its keys and block table); the three
+        sequences are kept as given, so they must be the caller's own copies
+        (the commit passes a new list and two slices).
         """
         if not self.enabled or not nodes:
             return
         parent = nodes[0].parent
-        namespace = nodes[0].namespace
-        try:  # a key is its packed bytes unless the block has an extra identity or
-            # a test injected a key hash (`cache.keys.block_key`)
-            token_ids = joined_tokens(keys, block_size)  # type: ignore[arg-type]
-            plain = True
-        except TypeError:
-            token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
-            plain = False
-        extras = None
-        if namespace or (not plain and any(nd.extra is not None for nd in nodes)):
-            from cache.block_hash import extra_keys
-
-            extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
         self._events.append(
-            BlockStored(  # positional: a NamedTuple built by keyword costs twice as much
-                tuple(map(_block_hash, nodes)),
-                tuple(blocks),
+            (
                 None if parent is None or parent.key is None else parent.block_hash,
-                token_ids,
+                nodes,
+                keys,
+                blocks,
                 block_size,
-                namespace,
-                MEDIUM_GPU,
-                KV_GROUP,
-                KIND_FULL_ATTENTION,
-                extras,
+                nodes[0].namespace,
             )
         )
 
@@ -275,46 +276,130 @@ class EventLog:
         if self.enabled:
             self._events.append(AllBlocksCleared())
 
+    def _views(self) -> dict[tuple[int, str], set[int]]:
+        return {
+            (KV_GROUP, MEDIUM_GPU): self._drained_view,
+            (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
+            (KV_GROUP, MEDIUM_CPU): self._drained_host,
+            (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
+        }
+
     def drain(self) -> list[Event]:
         """Return and forget the events emitted since the last drain."""
-        events = self._events
+        events = built_events(self._events)
         self._events = []
-        replay_views(
-            events,
-            {
-                (KV_GROUP, MEDIUM_GPU): self._drained_view,
-                (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
-                (KV_GROUP, MEDIUM_CPU): self._drained_host,
-                (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
-            },
-        )
+        replay_views(events, self._views())
         return events
+
+    def drain_records(self) -> EventRecords:
+        """Return and forget the events emitted since the last drain, unbuilt.
+
+        The drained views for `check()` are updated from the records directly
+        (a stored run adds its block ids), so nothing is built here.
+        """
+        items = self._events
+        self._events = []
+        views = self._views()
+        gpu = self._drained_view
+        pending: list[Event] = []  # events between runs, replayed in order
+        for item in items:
+            if type(item) is tuple:
+                if pending:
+                    replay_views(pending, views)
+                    pending = []
+                gpu.update(item[3])
+            else:
+                pending.append(item)  # type: ignore[arg-type]
+        if pending:
+            replay_views(pending, views)
+        return EventRecords(items)
 
     def replayed_blocks(self) -> set[int] | None:
         """The block set all events so far replay to (None when events are off)."""
         if not self.enabled:
             return None
-        return replay(self._events, set(self._drained_view))
+        return replay(built_events(self._events), set(self._drained_view))
 
     def replayed_host_blocks(self) -> set[int] | None:
         """The host-tier block set all events so far replay to (None when events are off)."""
         if not self.enabled:
             return None
-        return replay(self._events, set(self._drained_host), medium=MEDIUM_CPU)
+        return replay(built_events(self._events), set(self._drained_host), medium=MEDIUM_CPU)
 
     def replayed_checkpoint_slots(self) -> set[int] | None:
         """The checkpoint slots all events so far replay to (None when events are off)."""
         if not self.enabled:
             return None
-        return replay(self._events, set(self._drained_checkpoints), group_idx=CHECKPOINT_GROUP)
+        return replay(
+            built_events(self._events), set(self._drained_checkpoints), group_idx=CHECKPOINT_GROUP
+        )
 
     def replayed_host_checkpoint_slots(self) -> set[int] | None:
         """The host checkpoint slots all events so far replay to (None when events are off)."""
         if not self.enabled:
             return None
         return replay(
-            self._events,
+            built_events(self._events),
             set(self._drained_host_checkpoints),
             group_idx=CHECKPOINT_GROUP,
             medium=MEDIUM_CPU,
         )
+
+
+def stored_event(run: StoredRun) -> BlockStored:
+    """The `BlockStored` a stored run records (see `EventLog.stored`)."""
+    parent_hash, nodes, keys, blocks, block_size, namespace = run
+    try:  # a key is its packed bytes unless the block has an extra identity or
+        # a test injected a key hash (`cache.keys.block_key`)
+        token_ids = joined_tokens(keys, block_size)
+        plain = True
+    except TypeError:
+        token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
+        plain = False
+    extras = None
+    if namespace or (not plain and any(nd.extra is not None for nd in nodes)):
+        from cache.block_hash import extra_keys
+
+        extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+    return BlockStored(  # positional: a NamedTuple built by keyword costs twice as much
+        tuple(map(_block_hash, nodes)),
+        tuple(blocks),
+        parent_hash,
+        token_ids,
+        block_size,
+        namespace,
+        MEDIUM_GPU,
+        KV_GROUP,
+        KIND_FULL_ATTENTION,
+        extras,
+    )
+
+
+def built_events(items: Sequence[Event | StoredRun]) -> list[Event]:
+    """`items` (events and stored runs, in order) as events."""
+    return [stored_event(x) if type(x) is tuple else x for x in items]  # type: ignore[misc]
+
+
+class EventRecords:
+    """Drained events, not yet built (`EventLog.drain_records`).
+
+    `events()` builds them (what `drain` returns); `len()` counts them. A
+    stored run stays as the commit recorded it until then, which is what lets
+    `cache.kv_publisher_process` ship a batch to another process without
+    building an event object per commit in the engine's.
+    """
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Event | StoredRun]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def events(self) -> list[Event]:
+        """The events, built."""
+        return built_events(self.items)

@@ -34,7 +34,6 @@ batch off the queue only while it holds the socket lock, until it is sent.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 from collections import deque
@@ -114,7 +113,7 @@ class KVEventPublisher:
         self.dropped_events = 0
         """Events in the dropped batches."""
         self._topic = topic.encode("utf-8")
-        self._seq = itertools.count()
+        self._next_seq = 0  # the next batch's sequence number
         self._queue_batches = queue_batches
         # Batches waiting for the sender thread, in sequence order.
         self._queue: deque[tuple[int, bytes]] = deque()
@@ -163,14 +162,20 @@ class KVEventPublisher:
 
     # ----------------------------------------------------------------- API
 
-    def publish(self, events: Iterable[Event], *, ts: float | None = None) -> bool:
+    def publish(
+        self, events: Iterable[Event], *, ts: float | None = None, seq: int | None = None
+    ) -> bool:
         """Send or queue one batch of `events`; False when it was dropped (queue full).
 
         Sent before returning when the socket is free and no batch is queued
         (`published_batches` has counted it); queued for the sender thread
-        otherwise. An empty batch is not sent (returns True). Raises
-        `RuntimeError` after `close`, `TypeError` for an object that is not an
-        event.
+        otherwise. An empty batch is not sent (returns True). `seq` gives the
+        batch its sequence number (at least the next one; the numbers it skips
+        are a gap subscribers see): for a publisher whose batches were numbered,
+        and some dropped, before they reached this one
+        (`cache.kv_publisher_process`). Raises `RuntimeError` after `close`,
+        `TypeError` for an object that is not an event, `ValueError` for a
+        `seq` below the next number.
         """
         if self._closed:
             raise RuntimeError("KVEventPublisher is closed")
@@ -183,7 +188,13 @@ class KVEventPublisher:
         with self._lock:
             if self._closed:  # closed while encoding
                 raise RuntimeError("KVEventPublisher is closed")
-            seq = next(self._seq)
+            if seq is None:
+                seq = self._next_seq
+            elif type(seq) is not int or seq < self._next_seq:
+                raise ValueError(
+                    f"KVEventPublisher.publish: seq must be an int >= {self._next_seq}, got {seq!r}"
+                )
+            self._next_seq = seq + 1
             if not self._queue and self._socket_lock.acquire(blocking=False):
                 try:
                     if not self._pub.closed:  # closed only by a failed sender thread

@@ -42,7 +42,7 @@ from cache import inspection
 from cache.checkpoints import CheckpointStore
 from cache.config import CacheConfig
 from cache.copies import Copy, CopyEngine, DeviceCopies, ManualCopies
-from cache.event_log import EventLog
+from cache.event_log import EventLog, EventRecords
 from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
@@ -1203,6 +1203,22 @@ class BlockTrie:
             raise self._concurrent_use("drain_events()")
         try:
             return self._events.drain()
+        finally:
+            self._gate.release()
+
+    def drain_event_records(self) -> EventRecords:
+        """`drain_events` without building the events: an `EventRecords` whose
+        `events()` are the events `drain_events` would have returned.
+
+        For `cache.kv_publisher_process.ProcessEventPublisher`, which ships them
+        to its encoder process unbuilt, so the engine's process does not build
+        and encode an event object per commit. `check()` (invariant 10) sees
+        them drained, as after `drain_events`.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("drain_event_records()")
+        try:
+            return self._events.drain_records()
         finally:
             self._gate.release()
 

@@ -18,6 +18,7 @@ def test_bench_events_small() -> None:
         "dict_insert",
         "blocktrie",
         "blocktrie_events",
+        "blocktrie_events_process",
         "build",
         "encode",
         "publish",
@@ -30,9 +31,15 @@ def test_bench_events_small() -> None:
     assert r["components_over_blocktrie"] == pytest.approx(total / r["blocktrie"])
     # one interleaved round: the end-to-end ratio is exactly that round's
     assert r["events_over_blocktrie"] == pytest.approx(r["blocktrie_events"] / r["blocktrie"] - 1.0)
+    assert r["events_process_over_blocktrie"] == pytest.approx(
+        r["blocktrie_events_process"] / r["blocktrie"] - 1.0
+    )
+    for key in ("events_cpu_over_blocktrie", "events_process_cpu_over_blocktrie"):
+        assert r[key] > -1.0, key
     assert r["bytes_per_block"] > 8  # at least the 64-bit hash per block
     lines: list[str] = []
     print_events(r, lines.append)
     assert any("events on costs" in line for line in lines)
+    assert any("engine process's CPU" in line for line in lines)
     with pytest.raises(ValueError, match="repeat"):
         bench_events(chains=1, chain_blocks=1, block_size=1, repeat=0)
