@@ -41,9 +41,7 @@ def _trace(path: Path, requests: int = 60, seed: int = 0) -> Path:
         if rng.random() < 0.5:
             ids.append(10_000 + i)  # a private tail block
         tokens = (len(ids) - 1) * 512 + rng.randrange(1, 513)
-        lines.append(
-            {"timestamp": i, "input_length": tokens, "output_length": 40, "hash_ids": ids}
-        )
+        lines.append({"timestamp": i, "input_length": tokens, "output_length": 40, "hash_ids": ids})
     path.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
     return path
 
