@@ -102,13 +102,14 @@ def _operations(trie: BlockTrie, seq: Sequence) -> dict[str, Callable[[], object
         "pin()": lambda: trie.pin(seq),
         "unpin()": lambda: trie.unpin(receipt),  # type: ignore[arg-type]
         "drain_events()": trie.drain_events,
+        "drain_event_records()": trie.drain_event_records,
     }
 
 
 OPERATIONS = [
     "match()", "append()", "allocate()", "load()", "commit()", "release()", "abort()",
     "evict()", "evict_host()", "evict_checkpoints()", "clear()", "save()", "restore()",
-    "poll()", "pin()", "unpin()", "drain_events()",
+    "poll()", "pin()", "unpin()", "drain_events()", "drain_event_records()",
 ]  # fmt: skip
 
 
