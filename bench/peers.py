@@ -15,8 +15,10 @@ without blocktrie's guards). Then bytes per cached block (RSS
 growth of a fresh process caching ~10^6 blocks of realistic token ids, ÷
 cached blocks) for both, and blocktrie's per-block cost with events on (xxh3
 chained block hashes, events built, drained and encoded to vLLM's wire format
-at every poll) vs off, and with the stable hash alone (events built and
-drained, not encoded: what the hash adds when vLLM's total is compared).
+at every poll) vs off, with the stable hash alone (events built and
+drained, not encoded: what the hash adds when vLLM's total is compared), and
+published through an encoder process (`ProcessEventPublisher`: the engine
+thread's own cost when another process builds and encodes the events).
 
 With a Python that has vLLM (``--vllm-python``, ``$BLOCKTRIE_VLLM_PYTHON``, or
 this one), every row and the memory line also run vLLM's own
@@ -195,15 +197,27 @@ def clock_overhead_ns(clock: Callable[[], int]) -> float:
 
 
 class _EventDrain:
-    """A BlockTrie with events on whose `poll` also drains the events and (with
-    `encode`) encodes them to vLLM's wire format (`encode_batch`), as an engine's
-    publishing caller does; a publisher's sender thread would then only hand the
-    bytes to ZMQ. Without `encode` it measures what the stable block hash and the
-    events' recording add on their own."""
+    """A BlockTrie with events on whose `poll` also drains the events, as an engine
+    does once per step, and then (`mode`):
 
-    def __init__(self, trie: Any, encode: bool = True) -> None:
+    - ``"encode"``: encodes them to vLLM's wire format (`encode_batch`), as an
+      in-process publishing caller does (a publisher's sender thread would then
+      only hand the bytes to ZMQ);
+    - ``"hash"``: nothing more: what the stable block hash and the events'
+      recording add on their own;
+    - ``"process"``: drains them unbuilt and publishes them through a
+      `ProcessEventPublisher` (loopback, no subscriber): what the engine's
+      thread pays when an encoder process builds and encodes them.
+    """
+
+    def __init__(self, trie: Any, mode: str = "encode") -> None:
         self._trie = trie
-        self._encode = encode
+        self._mode = mode
+        self._publisher: Any = None
+        if mode == "process":
+            from cache.kv_publisher_process import ProcessEventPublisher
+
+            self._publisher = ProcessEventPublisher("tcp://127.0.0.1:*")
 
     def __getattr__(self, name: str) -> Any:
         # Methods are bound once, so forwarding costs the events row nothing per call
@@ -217,14 +231,24 @@ class _EventDrain:
         from cache.kv_events import encode_batch
 
         n = int(self._trie.poll())
+        if self._publisher is not None:
+            records = self._trie.drain_event_records()
+            if records and not self._publisher.publish(records, ts=0.0):
+                raise RuntimeError("the benchmark's encoder process dropped a batch")
+            return n
         events = self._trie.drain_events()
-        if events and self._encode:
+        if events and self._mode == "encode":
             encode_batch(events, ts=0.0)
         return n
 
+    def close(self) -> None:
+        """Stop the encoder process, if any."""
+        if self._publisher is not None:
+            self._publisher.close()
+
 
 def make_blocktrie(
-    block_size: int, capacity: int, events: bool = False, encode: bool = True
+    block_size: int, capacity: int, events: bool = False, mode: str = "encode"
 ) -> Any:
     from cache import BlockTrie, CacheConfig
 
@@ -233,7 +257,7 @@ def make_blocktrie(
             block_size=block_size, num_blocks=capacity, kv_block_shape=None, enable_events=events
         )
     )
-    return _EventDrain(trie, encode) if events else trie
+    return _EventDrain(trie, mode) if events else trie
 
 
 IMPLS: dict[str, Callable[[int, int], Any]] = {
@@ -241,7 +265,8 @@ IMPLS: dict[str, Callable[[int, int], Any]] = {
     "dict-trie": DictTrie,
     "column-trie": ColumnTrie,
     "blocktrie+events": lambda b, cap: make_blocktrie(b, cap, events=True),
-    "blocktrie+hash": lambda b, cap: make_blocktrie(b, cap, events=True, encode=False),
+    "blocktrie+hash": lambda b, cap: make_blocktrie(b, cap, events=True, mode="hash"),
+    "blocktrie+process": lambda b, cap: make_blocktrie(b, cap, events=True, mode="process"),
 }
 
 
@@ -251,8 +276,14 @@ def run_once(
     from bench.run import TimedCache
 
     gc.collect()
-    timed = TimedCache(make(b, cap), b, clock=time.thread_time_ns)
-    result = replay(workload, timed, block_size=b, capacity=cap, concurrency=32)
+    cache = make(b, cap)
+    timed = TimedCache(cache, b, clock=time.thread_time_ns)
+    try:
+        result = replay(workload, timed, block_size=b, capacity=cap, concurrency=32)
+    finally:
+        close = getattr(cache, "close", None)
+        if close is not None:
+            close()
     t = timed.t
     ns = t.total_ns - t.calls * overhead
     blocks = t.blocks["match"]
@@ -361,7 +392,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
             impls = ["blocktrie", "dict-trie", "column-trie"]
             with_events = row.capacity == 60_000 and row.trace == CONVERSATION
             if with_events:
-                impls += ["blocktrie+hash", "blocktrie+events"]
+                impls += ["blocktrie+hash", "blocktrie+events", "blocktrie+process"]
             best: dict[str, dict[str, Any]] = {}
             for _ in range(args.repeats):  # interleaved, best of N
                 for name in impls:
@@ -407,6 +438,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
             )
             if with_events:
                 ev, hashed = best["blocktrie+events"], best["blocktrie+hash"]
+                process = best["blocktrie+process"]
                 events_row = {
                     "row": row.label,
                     "off_ns_per_block": bt["ns_per_block"],
@@ -415,6 +447,8 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                     "ratio": ev["ns_per_block"] / bt["ns_per_block"],
                     "hash_ns_per_block": hashed["ns_per_block"],
                     "hash_ratio": hashed["ns_per_block"] / bt["ns_per_block"],
+                    "process_ns_per_block": process["ns_per_block"],
+                    "process_ratio": process["ns_per_block"] / bt["ns_per_block"],
                 }
     print_(table)
     print_(
@@ -440,7 +474,10 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
             f"{events_row['off_ns_per_block']:,.0f} off = "
             f"+{events_row['added_ns_per_block']:,.0f} ns ({events_row['ratio']:.2f}x); "
             f"the stable hash alone (events on, drained, not encoded): "
-            f"{events_row['hash_ns_per_block']:,.0f} ns/block ({events_row['hash_ratio']:.2f}x)"
+            f"{events_row['hash_ns_per_block']:,.0f} ns/block ({events_row['hash_ratio']:.2f}x); "
+            f"published through an encoder process (ProcessEventPublisher; the engine "
+            f"thread's CPU): {events_row['process_ns_per_block']:,.0f} ns/block "
+            f"({events_row['process_ratio']:.2f}x)"
         )
     memory: dict[str, Any] = {}
     if args.memory:

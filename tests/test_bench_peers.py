@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.peers import IMPLS as PEER_IMPLS
 from bench.peers import (
     Row,
@@ -51,6 +53,38 @@ def test_rows_replay_and_skip_missing_traces(tmp_path: Path) -> None:
         assert r["prompt_blocks"] == 2 + 1  # full prompt blocks looked up by match
         assert r["hit_rate"] > 0  # the second request's first block is cached
         assert r["ns_per_block"] > 0
+
+
+def test_event_rows_hit_as_blocktrie_and_stop_their_encoder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The events-on variants (drained and encoded, drained only, published through
+    an encoder process) replay exactly as blocktrie does; the encoder process is
+    stopped when the run ends."""
+    from cache import kv_publisher_process
+
+    started: list[kv_publisher_process.ProcessEventPublisher] = []
+
+    class Recorded(kv_publisher_process.ProcessEventPublisher):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            started.append(self)
+
+    monkeypatch.setattr(kv_publisher_process, "ProcessEventPublisher", Recorded)
+    _write(tmp_path / "t.jsonl")
+    workload = load_row(tmp_path, Row("tiny", "t.jsonl", 64), 16, tmp_path)
+    assert workload is not None
+    base = run_once(workload, PEER_IMPLS["blocktrie"], 16, 64, 0.0)
+    for name in ("blocktrie+events", "blocktrie+hash", "blocktrie+process"):
+        r = run_once(workload, PEER_IMPLS[name], 16, 64, 0.0)
+        assert (r["hit_rate"], r["evicted_blocks"]) == (base["hit_rate"], base["evicted_blocks"])
+    assert len(started) == 1
+    (publisher,) = started
+    assert publisher._closed
+    assert publisher._proc is not None and publisher._proc.poll() is not None  # exited
+    assert publisher.published_batches >= 1 and publisher.dropped_batches == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        publisher.publish([])
 
 
 def test_memory_probe_counts_cached_blocks() -> None:
