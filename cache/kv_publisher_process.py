@@ -271,8 +271,9 @@ class ProcessEventPublisher:
 
     def publish(self, batch: EventRecords | Sequence[Event], *, ts: float | None = None) -> bool:
         """Hand one batch to the child; False when it was dropped (the child's queue
-        is full). Never blocks. An empty batch is not sent (returns True). Raises
-        `RuntimeError` after `close`, `TypeError` for an object that is not a batch."""
+        is full, or the child has exited: logged as an error). Never blocks. An
+        empty batch is not sent (returns True). Raises `RuntimeError` after
+        `close`, `TypeError` for an object that is not a batch."""
         if self._closed:
             raise RuntimeError("ProcessEventPublisher is closed")
         if not isinstance(batch, (EventRecords, list, tuple)):
@@ -283,23 +284,36 @@ class ProcessEventPublisher:
             return True
         seq = self._next_seq
         self._next_seq += 1
-        frame = encode_frame(batch, seq=seq, ts=ts)
-        try:
-            self._frames.send(frame, zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            pass
+        proc = self._proc
+        exited = proc is None or proc.poll() is not None
+        if not exited:
+            frame = encode_frame(batch, seq=seq, ts=ts)
+            try:
+                self._frames.send(frame, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                pass
         self.dropped_batches += 1
         self.dropped_events += len(batch)
         n = self.dropped_batches
         if n & (n - 1) == 0:
-            log.warning(
-                "KV event encoder process is behind: dropped batch %d (%d batches / %d events "
-                "dropped so far); subscribers will see a sequence gap",
-                seq,
-                n,
-                self.dropped_events,
-            )
+            if exited:
+                log.error(
+                    "KV event encoder process exited (%s): dropped batch %d (%d batches / "
+                    "%d events dropped so far)",
+                    None if proc is None else proc.returncode,
+                    seq,
+                    n,
+                    self.dropped_events,
+                )
+            else:
+                log.warning(
+                    "KV event encoder process is behind: dropped batch %d (%d batches / "
+                    "%d events dropped so far); subscribers will see a sequence gap",
+                    seq,
+                    n,
+                    self.dropped_events,
+                )
         return False
 
     def poll_status(self) -> int:

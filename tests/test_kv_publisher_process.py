@@ -202,6 +202,19 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking() -> None:
     pub.close()  # idempotent
 
 
+def test_a_dead_encoder_drops_and_logs_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    with ProcessEventPublisher("tcp://127.0.0.1:*") as pub:
+        assert pub._proc is not None
+        pub._proc.kill()
+        pub._proc.wait()
+        trie = BlockTrie(_config())
+        _run(trie, [([1, 2, 3], "", None, "keep")])
+        with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
+            assert not pub.publish(trie.drain_event_records())
+        assert (pub.dropped_batches, pub.dropped_events) == (1, 1)
+        assert "encoder process exited" in caplog.text
+
+
 def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
     with zmq.Context() as ctx, ctx.socket(zmq.PUB) as taken:
         port = taken.bind_to_random_port("tcp://127.0.0.1")
