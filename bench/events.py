@@ -106,6 +106,13 @@ def bench_events(
                 node = child
         return perf_ns() - t0
 
+    def serve(trie: BlockTrie, toks: list[int]) -> None:
+        """One request, every block new: match, allocate, commit, release."""
+        seq = trie.match(toks)
+        trie.allocate(seq, len(toks))
+        trie.commit(seq, len(toks))
+        trie.release(seq)
+
     def blocktrie(events: bool = False) -> tuple[int, int]:
         config = CacheConfig(block_size=b, num_blocks=n_blocks + 1, enable_events=events)
         trie = BlockTrie(config)
@@ -116,10 +123,7 @@ def bench_events(
             batches = 0
             t0, c0 = perf_ns(), cpu_ns()
             for i, toks in enumerate(data, 1):
-                seq = trie.match(toks)
-                trie.allocate(seq, len(toks))
-                trie.commit(seq, len(toks))
-                trie.release(seq)
+                serve(trie, toks)
                 if publisher is not None and (i % commits_per_batch == 0 or i == chains):
                     drained = trie.drain_events()
                     if drained:  # an empty batch is not sent
@@ -143,10 +147,7 @@ def bench_events(
         target = publisher.poll_status()
         t0, c0 = perf_ns(), cpu_ns()
         for i, toks in enumerate(data, 1):
-            seq = trie.match(toks)
-            trie.allocate(seq, len(toks))
-            trie.commit(seq, len(toks))
-            trie.release(seq)
+            serve(trie, toks)
             if i % commits_per_batch == 0 or i == chains:
                 records = trie.drain_event_records()
                 if records:
