@@ -11,7 +11,7 @@ import torch
 
 from cache.faults import Faults
 from cache.kv_pool import KVBlockPool
-from spec.errors import CacheError
+from spec.errors import CacheError, OutOfBlocks
 
 
 def _pool(n: int) -> KVBlockPool:
@@ -47,3 +47,44 @@ def test_a_pinned_pool_is_page_locked() -> None:
         2, (3,), torch.float32, torch.device("cpu"), Faults(), name="host tier", pin_memory=True
     )
     assert pool.tensor is not None and pool.tensor.is_pinned()
+
+
+def test_a_zero_block_pool_has_no_storage_and_nothing_to_take() -> None:
+    """A pool of 0 blocks holds no tensor, even with a block shape; taking 0 blocks
+    gives none, taking one is `OutOfBlocks` naming the counts."""
+    pool = KVBlockPool(0, (3,), torch.float32, torch.device("cpu"), Faults())
+    assert pool.tensor is None and pool.view(0) is None
+    assert pool.capacity == 0 and pool.num_free == 0 and pool.refs == []
+    assert pool.take(0) == []
+    with pytest.raises(OutOfBlocks) as raised:
+        pool.take(1)
+    assert str(raised.value) == "KV pool: 1 blocks wanted, 0 free"
+
+
+def test_taking_every_free_block_at_once_succeeds() -> None:
+    """`take(n)` with exactly `n` blocks free hands them all out, lowest id first."""
+    pool = _pool(3)
+    assert pool.take(3) == [0, 1, 2]
+    assert pool.num_free == 0 and pool.refs == [1, 1, 1]
+
+
+def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
+    """A pool named "host tier" checks the `host.take` allocation point and names
+    itself in every error."""
+    faults = Faults()
+    pool = KVBlockPool(2, None, torch.float32, torch.device("cpu"), faults, name="host tier")
+    assert pool.name == "host tier"
+    a, b = pool.take(2)
+    assert faults.points == ["host.take"]
+    with pytest.raises(OutOfBlocks, match=r"^host tier pool: 1 blocks wanted, 0 free$"):
+        pool.take(1)
+    assert pool.decref(a) is True
+    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is already free"):
+        pool.decref(a)
+    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is free; cannot take"):
+        pool.incref(a)
+    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is free; cannot take"):
+        pool.incref_all([b, a])
+    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is already free"):
+        pool.decref_all([b, a])
+    assert pool.refs == [0, 1] and pool.free_ids() == [a]
