@@ -82,10 +82,16 @@ def test_token_list_names_the_argument_it_validates() -> None:
     """`what` names the argument in every message; a non-sequence names its type."""
     with pytest.raises(InvalidType) as raised:
         token_list({1, 2}, "prompt")
-    assert str(raised.value) == "prompt must be a list or tuple of ints, got set"
+    assert (
+        str(raised.value)
+        == "prompt must be a list or tuple of ints, or a 1-D integer array, got set"
+    )
     with pytest.raises(InvalidType) as raised:
         token_list("12")
-    assert str(raised.value) == "tokens must be a list or tuple of ints, got str"
+    assert (
+        str(raised.value)
+        == "tokens must be a list or tuple of ints, or a 1-D integer array, got str"
+    )
     with pytest.raises(InvalidArgument) as raised_range:
         token_list([5, -4], "prompt")
     assert str(raised_range.value) == "prompt must be in [0, 2**64); found -4"
