@@ -1,0 +1,94 @@
+"""Contract details of `cache.kv_events` (mutation survivors).
+
+`to_wire_event` writes vLLM's 2026 map form unless asked for the legacy one,
+and encodes a `PackedTokens` event's ids itself when it is given none; block
+hashes that are already 64-bit values (every ``xxh3`` chain value, and every
+hash of an empty event) are published as they are, without a copy.
+`encode_batch` takes any iterable of events, not only a list.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+pytest.importorskip("msgspec")
+
+import msgspec
+
+from cache.block_hash import MASK64
+from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from cache.keys import PackedTokens
+from cache.kv_events import encode_batch, msgpack_uint_array, to_wire_event
+
+_CODE = next(c for c in "ILH" if array(c).itemsize == 4)
+
+
+def _packed(ids: list[int]) -> PackedTokens:
+    return PackedTokens(array(_CODE, ids).tobytes())
+
+
+def _wire(struct: object) -> object:
+    """The plain msgpack value of one wire struct."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(struct))
+
+
+def test_to_wire_event_defaults_to_the_map_form() -> None:
+    """Without `legacy`, an event is vLLM's 2026 map (``"type"`` first), not an array."""
+    removed = BlockRemoved((1, 2), (3, 4), "")
+    assert _wire(to_wire_event(removed)) == {
+        "type": "BlockRemoved",
+        "block_hashes": [1, 2],
+        "medium": "GPU",
+        "group_idx": 0,
+    }
+    assert _wire(to_wire_event(removed, legacy=True)) == ["BlockRemoved", [1, 2], "GPU", 0]
+    assert _wire(to_wire_event(AllBlocksCleared())) == {"type": "AllBlocksCleared"}
+    stored = BlockStored((5,), (1,), None, (7, 8), 2, "")
+    assert _wire(to_wire_event(stored))["type"] == "BlockStored"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("ids", [[1, 2], [300, 7], [2**32 - 1, 0, 5]])
+def test_to_wire_event_encodes_packed_ids_itself(ids: list[int]) -> None:
+    """A `PackedTokens` event given no pre-encoded `token_ids` writes its ids as
+    `msgpack_uint_array` does (read from the packed bytes): it decodes as its tuple
+    form does."""
+    tokens = _packed(ids)
+    packed = BlockStored((5,), (1,), 4, tokens, len(ids), "ns")
+    got = msgspec.msgpack.encode(to_wire_event(packed))
+    assert msgpack_uint_array(tokens.packed) in got
+    as_tuple = packed._replace(token_ids=tuple(ids))
+    assert _wire(to_wire_event(packed)) == _wire(to_wire_event(as_tuple))
+    assert msgspec.msgpack.decode(got)["token_ids"] == ids
+
+
+@pytest.mark.parametrize("hashes", [(), (0, MASK64), (MASK64,), (2**63, 1)])
+def test_64_bit_hashes_are_published_as_they_are(hashes: tuple[int, ...]) -> None:
+    """Hashes within 64 bits (``xxh3`` chain values) go out as the event's own tuple:
+    no masking pass, no copy; `MASK64` itself is such a value."""
+    removed = BlockRemoved(hashes, tuple(range(len(hashes))), "")
+    assert to_wire_event(removed).block_hashes is hashes  # type: ignore[attr-defined]
+    stored = BlockStored(hashes, tuple(range(len(hashes))), None, (), 1, "")
+    assert to_wire_event(stored).block_hashes is hashes  # type: ignore[attr-defined]
+
+
+def test_wider_hashes_are_published_as_their_low_64_bits() -> None:
+    """A 256-bit (``vllm``) hash goes out as its low 64 bits, the others unchanged."""
+    wide = (1 << 200) | 9
+    removed = BlockRemoved((wide, MASK64, 3), (0, 1, 2), "")
+    assert list(to_wire_event(removed).block_hashes) == [9, MASK64, 3]  # type: ignore[attr-defined]
+
+
+def test_encode_batch_takes_any_iterable_of_events() -> None:
+    """A generator (or tuple) of events encodes to the bytes of the same list."""
+    events: list[Event] = [
+        BlockStored((1, 2), (1, 2), None, _packed([1, 2, 3, 4]), 2, ""),
+        BlockRemoved((2,), (2,), ""),
+        AllBlocksCleared(),
+    ]
+    want = encode_batch(events, ts=1.0)
+    assert encode_batch((e for e in events), ts=1.0) == want
+    assert encode_batch(tuple(events), ts=1.0) == want
+    wide = [BlockRemoved((1 << 100,), (1,), ""), *events]
+    assert encode_batch(iter(wide), ts=1.0) == encode_batch(wide, ts=1.0)
