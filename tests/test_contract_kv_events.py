@@ -92,3 +92,69 @@ def test_encode_batch_takes_any_iterable_of_events() -> None:
     assert encode_batch(tuple(events), ts=1.0) == want
     wide = [BlockRemoved((1 << 100,), (1,), ""), *events]
     assert encode_batch(iter(wide), ts=1.0) == encode_batch(wide, ts=1.0)
+
+
+def _masked(event: Event) -> Event:
+    """`event` with its hashes replaced by their published (low 64-bit) values."""
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return event._replace(
+            block_hashes=tuple(h & MASK64 for h in event.block_hashes),
+            parent_block_hash=None if parent is None else parent & MASK64,
+        )
+    if isinstance(event, BlockRemoved):
+        return event._replace(block_hashes=tuple(h & MASK64 for h in event.block_hashes))
+    return event
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_batch_of_wide_hashes_encodes_as_its_published_values_do(legacy: bool) -> None:
+    """A batch holding 256-bit (``vllm``) hashes is byte-identical to the same batch
+    with every hash already masked to 64 bits: each event as `to_wire_event` writes
+    it, the packed token ids of the whole batch in their one common width."""
+    wide = 1 << 200
+    events: list[Event] = [
+        BlockStored((wide | 1,), (1,), None, _packed([1, 2]), 2, "", lora_id=3),
+        BlockRemoved((wide | 2,), (2,), "tenant", "CPU", 1),
+        BlockStored((wide | 3, 4), (3, 4), wide | 5, (9, 8, 7, 6), 2, "t", extra_keys=(None, (1,))),
+        BlockStored((6,), (5,), 7, _packed([300, 70_000]), 2, "", "CPU", 1, "mamba"),
+        AllBlocksCleared(),
+    ]
+    masked = [_masked(e) for e in events]
+    want = encode_batch(masked, ts=2.0, data_parallel_rank=4, legacy=legacy)
+    assert encode_batch(events, ts=2.0, data_parallel_rank=4, legacy=legacy) == want
+
+
+def test_a_64_bit_batch_builds_its_stored_events_inline_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As `encode_batch` documents: a batch whose hashes fit in 64 bits is encoded in
+    one pass, each `BlockStored` built inline (`to_wire_event` only for the other
+    events, once each); a batch msgpack refuses (a stored 256-bit hash) is encoded
+    again, every event through `to_wire_event`. Both write the same bytes."""
+    import cache.kv_events as kv_events
+
+    calls: list[str] = []
+    real = kv_events.to_wire_event
+
+    def spy(event: Event, **kwargs: object) -> object:
+        calls.append(type(event).__name__)
+        return real(event, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv_events, "to_wire_event", spy)
+    events: list[Event] = [
+        BlockStored((1, 2), (1, 2), None, _packed([1, 2, 300, 4]), 2, "", extra_keys=(None, (1,))),
+        BlockStored((3,), (3,), 2, (5, 6), 2, "tenant"),
+        BlockRemoved((2,), (2,), ""),
+        AllBlocksCleared(),
+    ]
+    for legacy in (False, True):
+        calls.clear()
+        fast = encode_batch(events, ts=1.0, legacy=legacy)
+        assert calls == ["BlockRemoved", "AllBlocksCleared"]
+        calls.clear()
+        assert encode_batch([_masked(e) for e in events], ts=1.0, legacy=legacy) == fast
+    wide = [*events, BlockStored((1 << 100,), (4,), None, (7, 8), 2, "")]
+    calls.clear()
+    encode_batch(wide, ts=1.0)
+    assert calls == ["BlockRemoved", "AllBlocksCleared"] + [type(e).__name__ for e in wide]
