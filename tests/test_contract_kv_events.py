@@ -158,3 +158,24 @@ def test_a_64_bit_batch_builds_its_stored_events_inline_in_one_pass(
     calls.clear()
     encode_batch(wide, ts=1.0)
     assert calls == ["BlockRemoved", "AllBlocksCleared"] + [type(e).__name__ for e in wide]
+
+
+@pytest.mark.parametrize("ids", [[2**24], [2**24 + 5, 3], [0xFF00FFFF], [0x7F000000, 1]])
+def test_ids_with_a_zero_second_byte_take_the_full_width(ids: list[int]) -> None:
+    """An id of 2**16 or more needs all four bytes even when its second-highest byte is
+    zero (0x01000000): the strided-bytes path picks uint 32 for it too."""
+    from cache.kv_events import _body_bytes, _body_numpy
+
+    raw = msgpack_uint_array(_packed(ids).packed)
+    assert msgspec.msgpack.decode(raw) == ids
+    assert raw[1] == 0xCE  # the uint 32 tag
+    joined = _packed(ids).packed
+    assert _body_bytes(joined, len(ids)) == _body_numpy(joined, len(ids))
+
+
+def test_a_non_event_is_refused_by_its_type_name() -> None:
+    """`to_wire_event` (and so `encode_batch`) names the type of what it refuses."""
+    with pytest.raises(TypeError, match=r"^not a KV cache event: tuple$"):
+        to_wire_event(("BlockStored",))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^not a KV cache event: int$"):
+        encode_batch([7])  # type: ignore[list-item]
