@@ -424,15 +424,15 @@ def _child(config: dict[str, Any]) -> int:
     reported = 0
     try:
         while True:
-            if not frames.poll(500):
-                if os.getppid() != parent:  # the engine's process is gone
+            if frames.poll(100):
+                frame = frames.recv()
+                if frame == _STOP:
                     break
-                continue
-            frame = frames.recv()
-            if frame == _STOP:
+                seq, ts, events = decode_frame(frame)
+                publisher.publish(events, ts=ts, seq=seq)
+            elif os.getppid() != parent:  # the engine's process is gone
                 break
-            seq, ts, events = decode_frame(frame)
-            publisher.publish(events, ts=ts, seq=seq)
+            # Report what was sent, by this loop or since by the publisher's thread.
             if publisher.published_batches != reported:
                 reported = publisher.published_batches
                 with contextlib.suppress(zmq.Again):
