@@ -11,6 +11,7 @@ bytes over ZMQ in order, numbered, never blocking, counting what it drops.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -183,7 +184,7 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking() -> None:
     pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
     try:
         assert pub._proc is not None
-        pub._proc.send_signal(19)  # SIGSTOP: the child takes nothing more
+        pub._proc.send_signal(signal.SIGSTOP)  # the child takes nothing more
         trie = BlockTrie(_config(num_blocks=400))
         results = []
         t0 = time.monotonic()
@@ -194,7 +195,7 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking() -> None:
         assert not all(results)
         assert pub.dropped_batches == results.count(False)
         assert pub.dropped_events == pub.dropped_batches  # one BlockStored per batch
-        pub._proc.send_signal(18)  # SIGCONT
+        pub._proc.send_signal(signal.SIGCONT)
     finally:
         pub.close()
     with pytest.raises(RuntimeError, match="closed"):
