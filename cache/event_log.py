@@ -352,18 +352,42 @@ def stored_event(run: StoredRun) -> BlockStored:
     try:  # a key is its packed bytes unless the block has an extra identity or
         # a test injected a key hash (`cache.keys.block_key`)
         token_ids = joined_tokens(keys, block_size)
-        plain = True
+        extras = plain_extra_keys(namespace, len(nodes))
     except TypeError:
         token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
-        plain = False
-    extras = None
-    if namespace or (not plain and any(nd.extra is not None for nd in nodes)):
-        from cache.block_hash import extra_keys
+        extras = None
+        if namespace or any(nd.extra is not None for nd in nodes):
+            from cache.block_hash import extra_keys
 
-        extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+            extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+    hashes, ids = tuple(map(_block_hash, nodes)), tuple(blocks)
+    return device_stored(hashes, ids, parent_hash, token_ids, block_size, namespace, extras)
+
+
+def plain_extra_keys(namespace: str, blocks: int) -> tuple[tuple[object, ...] | None, ...] | None:
+    """`BlockStored.extra_keys` of `blocks` blocks with no extra identity: None in the
+    default namespace, else the namespace's extra keys once per block."""
+    if not namespace:
+        return None
+    from cache.block_hash import extra_keys
+
+    return (extra_keys(None, namespace),) * blocks
+
+
+def device_stored(
+    hashes: tuple[int, ...],
+    blocks: tuple[int, ...],
+    parent_hash: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: str,
+    extras: tuple[tuple[object, ...] | None, ...] | None,
+) -> BlockStored:
+    """A commit's `BlockStored`: KV blocks on the device (a stored run's, or one
+    rebuilt from a frame by `cache.kv_publisher_process`)."""
     return BlockStored(  # positional: a NamedTuple built by keyword costs twice as much
-        tuple(map(_block_hash, nodes)),
-        tuple(blocks),
+        hashes,
+        blocks,
         parent_hash,
         token_ids,
         block_size,

@@ -58,13 +58,15 @@ from typing import Any
 import msgspec
 import zmq
 
-from cache.event_log import EventRecords, StoredRun, stored_event
+from cache.event_log import (
+    EventRecords,
+    StoredRun,
+    device_stored,
+    plain_extra_keys,
+    stored_event,
+)
 from cache.events import (
-    KIND_FULL_ATTENTION,
-    KV_GROUP,
-    MEDIUM_GPU,
     BlockRemoved,
-    BlockStored,
     Event,
 )
 from cache.keys import PackedTokens
@@ -143,25 +145,12 @@ def decode_frame(frame: bytes) -> tuple[int, float, list[Event]]:
         kind = item[0]
         if kind == _STORED:
             _, parent, block_size, namespace, hashes, blocks, tokens = item
-            extras = None
-            if namespace:
-                from cache.block_hash import extra_keys
-
-                extras = (extra_keys(None, namespace),) * len(hashes)
-            events.append(
-                BlockStored(
-                    tuple(hashes),
-                    tuple(blocks),
-                    parent,
-                    PackedTokens(tokens),
-                    block_size,
-                    namespace,
-                    MEDIUM_GPU,
-                    KV_GROUP,
-                    KIND_FULL_ATTENTION,
-                    extras,
-                )
+            extras = plain_extra_keys(namespace, len(hashes))
+            token_ids = PackedTokens(tokens)
+            stored = device_stored(
+                tuple(hashes), tuple(blocks), parent, token_ids, block_size, namespace, extras
             )
+            events.append(stored)
         elif kind == _REMOVED:
             _, hashes, blocks, namespace, medium, group = item
             events.append(BlockRemoved(tuple(hashes), tuple(blocks), namespace, medium, group))
