@@ -60,7 +60,10 @@ class KVBlockPool:
         return list(self._free)
 
     def take(self, n: int) -> list[int]:
-        """Take `n` free blocks with reference count 1; all or nothing."""
+        """Take `n` free blocks with reference count 1; all or nothing. A negative `n`
+        is the caller's bug: `ValueError`, before the allocation point is reached."""
+        if n < 0:
+            raise ValueError(f"{self.name} pool: cannot take {n} blocks")
         self._faults.check(self._fault_point)
         if n > len(self._free):
             raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {len(self._free)} free")

@@ -89,10 +89,12 @@ class LRUIndex(Generic[T]):
         if bucket is obj:
             del buckets[tick]
         elif type(bucket) is list:
-            try:
-                bucket.remove(obj)
-            except ValueError:
-                raise KeyError(obj) from None
+            for i, member in enumerate(bucket):  # by identity, as `__contains__`
+                if member is obj:
+                    del bucket[i]
+                    break
+            else:
+                raise KeyError(obj)
             if len(bucket) == 1:
                 buckets[tick] = bucket[0]
         else:

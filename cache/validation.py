@@ -175,7 +175,7 @@ def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoRet
     for t in tokens:
         if not 0 <= operator.index(t) < 2**64:
             raise InvalidArgument(f"{what} must be in [0, 2**64); found {t}")
-    raise InvalidType(f"{what} are not integer token ids")
+    raise InvalidType(f"{what} must hold integer token ids (an element failed to convert)")
 
 
 def extra_tuple(extra: object) -> tuple[Hashable, ...] | None:

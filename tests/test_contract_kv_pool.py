@@ -61,6 +61,19 @@ def test_a_zero_block_pool_has_no_storage_and_nothing_to_take() -> None:
     assert str(raised.value) == "KV pool: 1 blocks wanted, 0 free"
 
 
+def test_taking_a_negative_count_is_refused_before_anything_happens() -> None:
+    """`take(-1)` is a caller's bug: `ValueError` naming the count, and neither the free
+    list nor the fault counter moves (the allocation point is not reached)."""
+    faults = Faults()
+    pool = KVBlockPool(3, None, torch.float32, torch.device("cpu"), faults)
+    with pytest.raises(ValueError) as raised:
+        pool.take(-1)
+    assert str(raised.value) == "KV pool: cannot take -1 blocks"
+    assert pool.num_free == 3 and pool.refs == [0, 0, 0]
+    assert faults.count == 0 and faults.points == []
+    assert pool.take(1) == [0]
+
+
 def test_taking_every_free_block_at_once_succeeds() -> None:
     """`take(n)` with exactly `n` blocks free hands them all out, lowest id first."""
     pool = _pool(3)

@@ -39,5 +39,30 @@ def test_removing_a_stranger_from_a_shared_tick_names_it_and_changes_nothing() -
     with pytest.raises(KeyError) as raised:
         index.remove(stranger)
     assert raised.value.args == (stranger,)
-    assert raised.value.__suppress_context__  # not chained to the list's ValueError
+    assert raised.value.__context__ is None  # raised on its own, not from another error
     assert list(index) == [a, b] and len(index) == 2
+
+
+class _EqualToAll(_Item):
+    """An object that claims equality with everything (a hostile or careless `__eq__`)."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = object.__hash__
+
+
+def test_remove_within_a_shared_tick_removes_that_very_object() -> None:
+    """Membership is by identity, so removal is too: an earlier member of the bucket
+    that compares equal to the one removed stays indexed."""
+    index: LRUIndex[_Item] = LRUIndex()
+    a, b, c = _EqualToAll(4, 1), _EqualToAll(4, 2), _EqualToAll(4, 3)
+    for item in (a, b, c):
+        index.add(item)
+    index.remove(b)
+    assert [x is y for x, y in zip(index, [a, c], strict=True)] == [True, True]
+    assert a in index and b not in index and c in index and len(index) == 2
+    with pytest.raises(KeyError) as raised:
+        index.remove(b)
+    assert raised.value.args[0] is b
+    assert len(index) == 2

@@ -119,7 +119,7 @@ def test_a_failure_no_element_explains_is_still_invalid_type() -> None:
     afterwards, `token_list` still refuses with a generic `InvalidType`."""
     with pytest.raises(InvalidType) as raised:
         token_list([_Flaky()], "prompt")
-    assert str(raised.value) == "prompt are not integer token ids"
+    assert str(raised.value) == "prompt must hold integer token ids (an element failed to convert)"
 
 
 def test_extra_tuple_keeps_none_and_tuples_hashable_identities() -> None:

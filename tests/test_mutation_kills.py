@@ -423,7 +423,10 @@ def test_tokens_that_are_not_a_list_name_their_type() -> None:
 def test_tokens_refused_by_the_fast_path_alone_still_raise_invalid_type() -> None:
     from cache.validation import token_list
 
-    with pytest.raises(InvalidType, match=r"^tokens are not integer token ids$"):
+    with pytest.raises(
+        InvalidType,
+        match=r"^tokens must hold integer token ids \(an element failed to convert\)$",
+    ):
         token_list([_Fickle()])
 
 
