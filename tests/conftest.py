@@ -10,6 +10,8 @@ the covering tests once per mutant).
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -45,13 +47,14 @@ SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 TRACES = SHARED / "traces"
 
 
-def _mutmut_durations() -> dict[str, float]:
-    """Each test's duration from mutmut's stats run, or {} outside a mutmut worker."""
+def _mutmut_durations() -> Mapping[str, float]:
+    """Each test's duration from mutmut's stats run (read, not copied), or {} outside
+    a mutmut worker."""
     try:
         from mutmut.state import state
     except ImportError:  # pragma: no cover - mutmut is the `mutation` extra
         return {}
-    return dict(state().duration_by_test)
+    return state().duration_by_test
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -70,6 +73,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if durations:
         slow = float("inf")
         items.sort(key=lambda item: durations.get(item.nodeid, slow))
+
+
+MUTANT_SLOWDOWN = 10.0
+"""Under mutmut, a test that takes more than this many times its recorded duration
+(plus `MUTANT_GRACE_S`) of CPU fails, so its mutant counts as killed."""
+MUTANT_GRACE_S = 5.0
+
+
+class MutantTooSlow(Exception):
+    """A test ran far past its recorded duration under a mutant (a hang, usually)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """Under a mutant, give each test `MUTANT_SLOWDOWN` x its duration in mutmut's stats
+    run plus `MUTANT_GRACE_S` seconds of CPU time (`ITIMER_PROF`), then fail it.
+
+    mutmut's own limit is on a mutant's whole run: 4 x the summed durations of
+    every covering test, many minutes for a `cache/trie.py` mutant that loops
+    forever in the first test. This one stops that test within seconds. Its
+    verdict is the one mutmut gives a timeout, which `tools.mutation` already
+    counts as killed: the mutant changed behaviour a test can see (it hangs, or
+    runs 10x slower). Outside a mutant run, or on a host without `setitimer`,
+    nothing is armed.
+    """
+    name = os.environ.get("MUTANT_UNDER_TEST", "")
+    recorded = _mutmut_durations().get(item.nodeid) if "__mutmut_" in name else None
+    if recorded is None or not hasattr(signal, "setitimer"):
+        return (yield)
+    budget = MUTANT_SLOWDOWN * recorded + MUTANT_GRACE_S
+
+    def expire(signum: int, frame: object) -> None:
+        raise MutantTooSlow(f"{item.nodeid} used over {budget:.1f} s of CPU under {name}")
+
+    previous = signal.signal(signal.SIGPROF, expire)
+    signal.setitimer(signal.ITIMER_PROF, budget)
+    try:
+        return (yield)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
 
 
 @pytest.fixture

@@ -127,3 +127,66 @@ def test_record_and_recorded_are_exclusive() -> None:
     with pytest.raises(SystemExit) as exc:
         mutation.main(["--record", "--recorded", "--report-only"])
     assert exc.value.code == 2
+
+
+class _Item:
+    """What the conftest's hooks read of a pytest item."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+
+
+def test_under_a_mutant_tests_run_fastest_first_and_unrecorded_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests import conftest
+
+    durations = {"t::slow": 3.0, "t::fast": 0.01, "t::mid": 0.5}
+    monkeypatch.setattr(conftest, "_mutmut_durations", lambda: durations)
+    items = [_Item(n) for n in ("t::slow", "t::new", "t::fast", "t::mid")]
+    monkeypatch.delenv("MUTANT_UNDER_TEST", raising=False)
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == ["t::slow", "t::new", "t::fast", "t::mid"]
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "cache.lru.x_add__mutmut_3")
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == ["t::fast", "t::mid", "t::slow", "t::new"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="no setitimer")
+def test_under_a_mutant_a_test_far_past_its_recorded_time_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-test CPU budget: armed only for a mutant and a recorded test, it turns a
+    spin into `MutantTooSlow`, and it is disarmed afterwards."""
+    import signal
+    import time
+
+    from tests import conftest
+
+    monkeypatch.setattr(conftest, "_mutmut_durations", lambda: {"t::spin": 0.001})
+    monkeypatch.setattr(conftest, "MUTANT_GRACE_S", 0.05)
+
+    def spin(hook: object) -> None:
+        next(hook)  # type: ignore[call-overload]
+        deadline = time.process_time() + 2.0
+        try:
+            while time.process_time() < deadline:
+                pass
+        finally:
+            with pytest.raises(StopIteration):
+                hook.send(None)  # type: ignore[attr-defined]
+
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "cache.lru.x_add__mutmut_3")
+    with pytest.raises(conftest.MutantTooSlow, match=r"^t::spin used over 0\.1 s of CPU"):
+        spin(conftest.pytest_runtest_call(_Item("t::spin")))  # type: ignore[arg-type]
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+
+    # Not a mutant (mutmut's stats and clean runs), or a test without a recorded
+    # duration: nothing is armed, and the loop runs to its end.
+    for name, nodeid in (("stats", "t::spin"), ("cache.lru.x_add__mutmut_3", "t::new")):
+        monkeypatch.setenv("MUTANT_UNDER_TEST", name)
+        hook = conftest.pytest_runtest_call(_Item(nodeid))  # type: ignore[arg-type]
+        next(hook)
+        assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+        with pytest.raises(StopIteration):
+            hook.send(None)
