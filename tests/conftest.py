@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from pathlib import Path
 
 import pytest
@@ -86,7 +86,7 @@ class MutantTooSlow(Exception):
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> object:
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     """Under a mutant, give each test `MUTANT_SLOWDOWN` x its duration in mutmut's stats
     run plus `MUTANT_GRACE_S` seconds of CPU time (`ITIMER_PROF`), then fail it.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -166,15 +167,15 @@ def test_under_a_mutant_a_test_far_past_its_recorded_time_fails(
     monkeypatch.setattr(conftest, "_mutmut_durations", lambda: {"t::spin": 0.001})
     monkeypatch.setattr(conftest, "MUTANT_GRACE_S", 0.05)
 
-    def spin(hook: object) -> None:
-        next(hook)  # type: ignore[call-overload]
+    def spin(hook: Generator[None, object, object]) -> None:
+        next(hook)
         deadline = time.process_time() + 2.0
         try:
             while time.process_time() < deadline:
                 pass
         finally:
             with pytest.raises(StopIteration):
-                hook.send(None)  # type: ignore[attr-defined]
+                hook.send(None)
 
     monkeypatch.setenv("MUTANT_UNDER_TEST", "cache.lru.x_add__mutmut_3")
     with pytest.raises(conftest.MutantTooSlow, match=r"^t::spin used over 0\.1 s of CPU"):
