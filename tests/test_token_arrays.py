@@ -83,6 +83,24 @@ def test_an_array_is_stored_at_the_narrowest_width() -> None:
     assert token_list(np.array([], dtype=np.int64)).tolist() == []
 
 
+def test_a_byte_swapped_array_keeps_ids_no_float_could_hold() -> None:
+    """A non-native byte order is converted to native integers, not through floats:
+    ids past 2**53 come back exact."""
+    ids = [2**53 + 1, 2**64 - 1, 5]
+    assert token_list(np.array(ids, dtype=">u8")).tolist() == ids
+    assert token_list(np.array([2**31 - 1, 9], dtype=">i4")).tolist() == [2**31 - 1, 9]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+def test_a_signed_array_is_refused_only_for_its_sign_bit(dtype: Any) -> None:
+    """The range check reads the sign bit alone: the largest positive id of a signed
+    dtype (every other bit set) is accepted, and -1 is refused."""
+    top = int(np.iinfo(dtype).max)
+    assert token_list(np.array([top, top >> 1, 1], dtype=dtype)).tolist() == [top, top >> 1, 1]
+    with pytest.raises(InvalidArgument, match=r"^tokens must be in \[0, 2\*\*64\); found -1$"):
+        token_list(np.array([3, -1], dtype=dtype))
+
+
 def test_append_takes_an_array_and_widens_when_it_needs_to() -> None:
     trie = _trie()
     seq = trie.match(np.array([1, 2, 3], dtype=np.int32))
