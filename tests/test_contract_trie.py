@@ -2,7 +2,19 @@
 `python -m tools.mutation --paths cache/trie.py`: the exact errors each operation
 raises, the undo of copies that fail when queued (write-back stores, checkpoint
 stores), waiting for write-back stores, and the state a request keeps after a
-failed load."""
+failed load.
+
+Also pinned here, each with its full message and "nothing changed" after a refusal:
+pools that cannot be allocated are a `ConfigError` naming every pool size (and
+bind no engine); the `copies` property returns the engine and its setter refuses
+a non-engine; `load` refuses while a load the request waits on has failed (its
+own, or the load of a block it shares) and is not yet reaped; `commit` refuses a
+block equal to one another request is loading (failed, or not done), adopts it
+once the failed load is reaped, and shares it once the load is done; a load that
+fails when queued gives back the shared blocks it held; an engine whose `wait`
+returns before a write-back store is done leaves that store queued; a restore
+without a frozen tail that fails when queued gives back no block; and
+`repr(trie)` names the block size and counts."""
 
 from __future__ import annotations
 
@@ -18,6 +30,7 @@ from cache import (
     CacheConfig,
     CacheError,
     ConcurrentUse,
+    ConfigError,
     Copy,
     CopyEngine,
     DeviceCopies,
@@ -791,4 +804,312 @@ def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() 
     assert after["nodes"] == before["nodes"]
     assert rollback(before, after) == [] and trie.clock == clock
     trie.release(seq)
+    trie.check()
+
+
+# ------------------------------------------------------------ construction and inspection
+
+
+def test_pools_that_cannot_be_allocated_are_a_config_error_naming_every_pool() -> None:
+    """A pool tensor torch cannot allocate is a `ConfigError` naming each pool's size
+    and torch's reason (not chained); the engine is left unbound, so it can serve
+    another trie."""
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=2,
+        kv_block_shape=(2**61,),  # 2**64 bytes a block: torch's size computation overflows
+        kv_dtype=torch.float64,
+        num_checkpoint_slots=3,
+        state_shapes={"s": (5,)},
+        state_dtype=torch.float32,
+        num_host_checkpoint_slots=1,
+    )
+    with pytest.raises(RuntimeError) as torch_error:
+        torch.zeros((2, 2**61), dtype=torch.float64)
+    engine = ManualCopies()
+    message = (
+        f"cannot allocate the pools of 2 KV blocks ({2**64} B each), 0 host blocks "
+        "and 3 + 1 (host) checkpoint slots (20 B each) on cpu: "
+        f"{torch_error.value}"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$") as error:
+        BlockTrie(config, copies=engine)
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+    trie = host_trie(copies=engine)  # not bound by the failed construction
+    assert trie.copies is engine
+
+
+def test_the_copies_property_returns_the_engine_and_refuses_a_non_engine() -> None:
+    """`copies` is the engine copies are queued on; setting it to anything but a
+    `CopyEngine` raises `InvalidType` naming the type and keeps the engine; setting
+    an engine makes later copies queue on it."""
+    first = ManualCopies()
+    trie = host_trie(copies=first)
+    assert trie.copies is first
+    before = trie.snapshot()
+    with pytest.raises(InvalidType, match=r"^copies must be a CopyEngine, got int$"):
+        trie.copies = 5  # type: ignore[assignment]
+    assert trie.copies is first
+    assert trie.snapshot() == before
+    second = ManualCopies()
+    trie.copies = second
+    assert trie.copies is second
+    trie.release(prefill(trie, A))  # write-through: one store copy, queued on `second`
+    assert first.pending() == []
+    (store,) = second.pending()
+    assert store.kind == "store"
+    second.complete(store)
+    assert trie.poll() == 1
+    trie.check()
+
+
+def test_repr_names_the_block_size_and_the_block_and_slot_counts() -> None:
+    """`repr(trie)`: the block size, free and cached KV blocks out of the capacity,
+    and free checkpoint slots out of theirs, as they are now."""
+    trie = host_trie()
+    assert repr(trie) == "<BlockTrie B=2 blocks free=8 cached=0/8 slots free=0/0>"
+    seq = prefill(trie, A)  # holds 4 blocks, 3 of them cached
+    assert repr(trie) == "<BlockTrie B=2 blocks free=4 cached=3/8 slots free=0/0>"
+    trie.release(seq)
+    ssm, _ = ssm_trie(manual=False)
+    held = _ssm_prefill(ssm, SSM_PROMPT)
+    ssm.save(held, 8, state(1.0))
+    assert repr(ssm) == "<BlockTrie B=4 blocks free=13 cached=2/16 slots free=3/4>"
+    ssm.release(held)
+
+
+# ----------------------------------------------------------- failed loads ([R50], [R46])
+
+
+def test_load_refuses_while_its_own_failed_load_is_not_yet_reaped() -> None:
+    """A request whose load failed (not yet reaped) cannot load again: `HostTierError`
+    says to abort it, nothing changed; once reaped, it is cut and refused as such."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    seq = trie.match(A)
+    copy = trie.load(seq)
+    assert copy is not None
+    copies.fail(copy)
+    before = trie.snapshot()
+    message = f"load: a load {seq!r} waits on failed; abort it"
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.load(seq)
+    assert trie.snapshot() == before
+    assert seq.loads == [copy] and not seq.load_failed
+    assert trie.poll() == 1
+    message = f"load: the load of {seq!r}'s host-resident blocks failed; abort it"
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.load(seq)
+    trie.abort(seq)
+    trie.check()
+
+
+def test_load_refuses_while_another_requests_failed_load_of_a_shared_block_is_not_reaped() -> None:
+    """A request that matched host-only blocks another request then loaded, in a
+    load that failed, is refused (naming that load) until it is reaped; then it
+    loads them anew itself."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    second = trie.match(A)  # matched before the blocks are loaded: no load to wait on
+    first = trie.match(A)
+    c1 = trie.load(first)
+    assert c1 is not None and second.loads == []
+    copies.fail(c1)
+    before = trie.snapshot()
+    message = (
+        f"load: {c1!r}, loading a block {second!r} reads, "
+        "failed; poll() and load again (it will be loaded anew)"
+    )
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.load(second)
+    assert trie.snapshot() == before
+    assert second.block_ids == () and second.num_host_tokens == 6
+    assert trie.poll() == 1  # reaped: `first` is cut, the blocks are host-only again
+    assert set(residency(trie).values()) == {Residency.HOST.value}
+    c2 = trie.load(second)
+    assert c2 is not None and c2 is not c1
+    copies.complete(c2)
+    trie.poll()
+    assert len(second.block_ids) == 3
+    trie.abort(first)
+    trie.release(second)
+    trie.check()
+
+
+def test_commit_of_a_block_another_request_is_loading_waits_for_that_load() -> None:
+    """A commit whose computed block equals one another request is loading is refused,
+    naming the block and the load: while it is not done, and while it failed but is
+    not reaped; after the reap, the commit adopts its computed blocks ([R49])."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    computing = trie.match(A)  # nothing cached yet: it will compute all of A itself
+    trie.allocate(computing, 7)
+    _host_only(trie, copies)
+    residencies = {Residency.HOST.value}
+    assert set(residency(trie).values()) == residencies
+    loader = trie.match(A[:3])  # (1, 1)
+    first = trie.load(loader)
+    assert first is not None
+    copies.complete(first)
+    trie.poll()
+    trie.release(loader)  # (1, 1) mirrored, not loading
+    loader = trie.match(A)
+    copy = trie.load(loader)  # loads (2, 2) and (3, 3)
+    assert copy is not None and not copy.done
+    compute(trie, computing, A)
+    before = trie.snapshot()
+    message = (
+        f"commit: block 1 of {computing!r} is being loaded by {copy!r}; "
+        "commit it once that copy is done"
+    )
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.commit(computing, 6)
+    assert trie.snapshot() == before
+    copies.fail(copy)
+    before = trie.snapshot()
+    message = (
+        f"commit: block 1 of {computing!r} equals a block whose load {copy!r} "
+        "failed; poll() and commit again (the computed block is adopted)"
+    )
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.commit(computing, 6)
+    assert trie.snapshot() == before
+    assert computing.num_committed_tokens == 0
+    trie.poll()
+    blocks = computing.block_ids
+    trie.commit(computing, 6)
+    assert computing.num_committed_tokens == 6
+    assert computing.block_ids[1:3] == blocks[1:3]  # its computed blocks, adopted
+    assert set(residency(trie).values()) == {Residency.MIRRORED.value}
+    trie.abort(loader)
+    trie.release(computing)
+    trie.check()
+
+
+def test_commit_of_a_block_whose_load_finished_but_is_not_reaped_shares_the_loaded_block() -> None:
+    """A load that is done has delivered its data even before `poll()` reaps it: a
+    commit computing the same blocks deduplicates against them ([R18])."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    computing = trie.match(A)
+    trie.allocate(computing, 7)
+    _host_only(trie, copies)
+    loader = trie.match(A)
+    copy = trie.load(loader)
+    assert copy is not None
+    copies.complete(copy)  # done, not reaped: the nodes are still `loading`
+    assert set(residency(trie).values()) == {Residency.LOADING.value}
+    compute(trie, computing, A)
+    trie.commit(computing, 6)
+    assert computing.num_committed_tokens == 6
+    assert computing.block_ids[:3] == loader.block_ids
+    trie.poll()
+    trie.release(loader)
+    trie.release(computing)
+    trie.check()
+
+
+def test_a_load_that_fails_when_queued_gives_back_the_shared_blocks_it_held() -> None:
+    """A load of its own blocks that also reads blocks already loaded for another
+    request takes a reference on those; if the copy fails when queued, those
+    references are dropped with the rest: every count is as before."""
+    engine = _FailingLoads()
+    engine.failing = False
+    trie = host_trie(copies=engine)
+    trie.release(prefill(trie, A))
+    assert trie.evict(3) == 3
+    second = trie.match(A)  # all three host-only
+    first = trie.match(A[:3])
+    assert trie.load(first) is not None  # (1, 1) is on the device again, held by `first`
+    trie.poll()
+    engine.failing = True
+    before = trie.snapshot()
+    with pytest.raises(CacheError, match=r"^load: the copy failed and was undone: simulated"):
+        trie.load(second)
+    after = trie.snapshot()
+    assert sorted(after["free_blocks"]) == sorted(before["free_blocks"])
+    assert after["refcounts"] == before["refcounts"]
+    assert rollback({**before, "free_blocks": []}, {**after, "free_blocks": []}) == []  # type: ignore[typeddict-item]
+    assert second.block_ids == () and second.num_host_tokens == 6
+    trie.release(first)
+    trie.check()
+    engine.failing = False
+    assert trie.load(second) is not None
+    assert len(second.block_ids) == 3
+    trie.release(second)
+    trie.check()
+
+
+# ------------------------------------------------------------- waits and restores
+
+
+class _UnfinishedWaits(CopyEngine):
+    """An engine whose `wait` returns before the copy is done (copies finish only
+    when the test runs them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: list[Copy] = []
+
+    def _start(self, copy: Copy) -> None:
+        self.queued.append(copy)
+
+    def wait(self, copy: Copy) -> None:
+        pass
+
+
+def test_a_write_back_store_still_running_after_the_wait_stays_queued() -> None:
+    """Room-making waits for its write-back store; a store not done after the wait
+    is neither forgotten nor reaped: `OutOfBlocks`, and a later poll reaps it."""
+    engine = _UnfinishedWaits()
+    trie = host_trie(num_blocks=4, copies=engine, host_write="back")
+    trie.release(prefill(trie, A))
+    other = trie.match(OTHER[:3])
+    message = (
+        "need 2 KV blocks: 1 free; 1 more are freed when the write-back stores in flight "
+        "finish (complete them, poll, retry)"
+    )
+    with pytest.raises(OutOfBlocks, match=f"^{re.escape(message)}$"):
+        trie.allocate(other, 3)
+    (store,) = engine.queued
+    assert store.kind == "store" and not store.done
+    assert trie.poll() == 0, "not done: still queued on the engine"
+    assert residency(trie)[(3, 3)] == "storing"
+    store.run()
+    store.fire(CopyTrigger.FINISH)
+    assert trie.poll() == 1
+    assert residency(trie)[(3, 3)] == Residency.HOST.value
+    trie.allocate(other, 3)
+    assert len(other.block_ids) == 2
+    trie.release(other)
+    trie.check()
+
+
+def test_a_restore_without_a_frozen_tail_that_fails_when_queued_takes_back_no_block() -> None:
+    """A block-aligned restore takes no private block, so its undo gives none back:
+    the request keeps its blocks, pin and counts, and can restore again."""
+    engine = _FailingRestores()
+    trie, _ = ssm_trie(manual=False)
+    trie = BlockTrie(trie.config, copies=engine)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 8, state(1.0))  # block-aligned: no frozen tail
+    trie.release(seq)
+    hit = trie.match([*SSM_PROMPT[:8], 9])
+    blocks, receipt, clock = hit.block_ids, hit.match_receipt, trie.clock
+    assert len(blocks) == 2
+    before = trie.snapshot()
+    message = "restore: the copy failed and was undone: simulated restore failure"
+    with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
+        trie.restore(hit, empty_state())
+    assert trie.snapshot() == before
+    assert hit.block_ids == blocks and hit.match_receipt is receipt and not hit.restored
+    assert trie.clock == clock and trie.stats.restores == 0
+    engine.failing = False
+    runtime = empty_state()
+    trie.restore(hit, runtime)
+    assert hit.block_ids == blocks and trie.stats.restores == 1
+    assert torch.equal(runtime["ssm"], state(1.0)["ssm"])
+    trie.release(hit)
     trie.check()
