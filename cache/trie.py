@@ -267,9 +267,30 @@ class BlockTrie:
 
     @copies.setter
     def copies(self, engine: CopyEngine) -> None:
-        if not isinstance(engine, CopyEngine):
-            raise InvalidType(f"copies must be a CopyEngine, got {type(engine).__name__}")
-        self._transfers.engine = engine
+        """Queue later copies on `engine`, which this trie then binds (`CopyEngine.bind`).
+
+        Refused with `CacheError`, changing nothing, while a copy is in flight on
+        the current engine (only the current engine's copies are reaped by
+        `poll`, so it would never be), or when `engine` already serves another
+        trie. Setting the current engine again does nothing.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("copies")
+        try:
+            if not isinstance(engine, CopyEngine):
+                raise InvalidType(f"copies must be a CopyEngine, got {type(engine).__name__}")
+            if engine is self._transfers.engine:
+                return
+            inflight = self._transfers.inflight
+            if inflight:
+                raise CacheError(
+                    f"copies: {len(inflight)} copies in flight on the current engine; "
+                    "complete and poll() them before swapping engines"
+                )
+            engine.bind(self.device)
+            self._transfers.engine = engine
+        finally:
+            self._gate.release()
 
     @property
     def clock(self) -> int:
@@ -674,12 +695,11 @@ class BlockTrie:
                     f"commit: {seq!r} reads blocks that {copy!r} is loading"
                     + ("; it failed: abort the request" if copy.failed else "; wait for it")
                 )
-        seq.loads = []
         node = seq.path[-1] if seq.path else self._roots.get(seq.namespace)
         host = self._host
         for i in range(start, full):
             if node is None:
-                return
+                break
             node = node.child(keys[i])
             if node is not None and node.residency == _LOADING and host is not None:
                 copy = host.loading[node]
@@ -693,6 +713,7 @@ class BlockTrie:
                         f"commit: block {i} of {seq!r} is being loaded by {copy!r}; "
                         "commit it once that copy is done"
                     )
+        seq.loads = []  # all done: nothing left to wait on (not before: [R6])
 
     def _adopt(self, node: Node, block: int, tick: int) -> None:
         """A commit computed `node`'s block while its KV lived only on the host

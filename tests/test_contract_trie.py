@@ -116,13 +116,14 @@ def _operations(trie: BlockTrie, seq: Sequence) -> dict[str, Callable[[], object
         "unpin()": lambda: trie.unpin(receipt),  # type: ignore[arg-type]
         "drain_events()": trie.drain_events,
         "drain_event_records()": trie.drain_event_records,
+        "copies": lambda: setattr(trie, "copies", ManualCopies()),
     }
 
 
 OPERATIONS = [
     "match()", "append()", "allocate()", "load()", "commit()", "release()", "abort()",
     "evict()", "evict_host()", "evict_checkpoints()", "clear()", "save()", "restore()",
-    "poll()", "pin()", "unpin()", "drain_events()", "drain_event_records()",
+    "poll()", "pin()", "unpin()", "drain_events()", "drain_event_records()", "copies",
 ]  # fmt: skip
 
 
@@ -863,6 +864,51 @@ def test_the_copies_property_returns_the_engine_and_refuses_a_non_engine() -> No
     trie.check()
 
 
+def test_the_engine_is_not_swapped_while_a_copy_is_in_flight() -> None:
+    """Swapping engines with a copy still queued on the old one would strand it: `poll`
+    only reaps the new engine's copies, and `clear()` would refuse forever. The swap
+    is refused (`CacheError`, nothing changed) until the copy is reaped."""
+    first = ManualCopies()
+    trie = host_trie(copies=first)
+    trie.release(prefill(trie, A))  # write-through: one store, queued on `first`
+    (store,) = first.pending()
+    before = trie.snapshot()
+    second = ManualCopies()
+    with pytest.raises(CacheError) as raised:
+        trie.copies = second
+    assert str(raised.value) == (
+        "copies: 1 copies in flight on the current engine; complete and poll() them "
+        "before swapping engines"
+    )
+    assert trie.copies is first and trie.snapshot() == before
+    first.complete(store)
+    assert trie.poll() == 1
+    trie.copies = second
+    assert trie.copies is second
+    trie.clear()
+    trie.check()
+    with pytest.raises(CacheError, match=r"^ManualCopies is already bound"):
+        host_trie(copies=second)  # `second` serves `trie` now
+
+
+def test_an_engine_serving_another_trie_is_refused_and_the_current_one_kept() -> None:
+    """An engine serves one trie (`CopyEngine.bind`): setting one already bound to
+    another trie raises `CacheError` as the constructor does, and keeps the engine.
+    Setting the current engine again changes nothing."""
+    mine = ManualCopies()
+    trie = host_trie(copies=mine)
+    theirs = ManualCopies()
+    host_trie(copies=theirs)
+    before = trie.snapshot()
+    with pytest.raises(CacheError, match=r"^ManualCopies is already bound to another BlockTrie$"):
+        trie.copies = theirs
+    assert trie.copies is mine and trie.snapshot() == before
+    trie.copies = mine
+    assert trie.copies is mine
+    trie.release(prefill(trie, A))
+    assert len(mine.pending()) == 1 and theirs.pending() == []
+
+
 def test_repr_names_the_block_size_and_the_block_and_slot_counts() -> None:
     """`repr(trie)`: the block size, free and cached KV blocks out of the capacity,
     and free checkpoint slots out of theirs, as they are now."""
@@ -935,6 +981,36 @@ def test_load_refuses_while_another_requests_failed_load_of_a_shared_block_is_no
     assert len(second.block_ids) == 3
     trie.abort(first)
     trie.release(second)
+    trie.check()
+
+
+def test_a_commit_refused_for_another_requests_load_keeps_the_requests_own_loads() -> None:
+    """[R6]: a commit refused because a block equals one another request is loading
+    leaves the request's own (finished) loads in place, as they were."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    _host_only(trie, copies)
+    mine = trie.match(A[:3])  # (1, 1) on the host: its own load
+    own = trie.load(mine)
+    assert own is not None
+    copies.complete(own)  # done, not yet reaped
+    theirs = trie.match(A)
+    loading = trie.load(theirs)  # (2, 2) and (3, 3), still running
+    assert loading is not None and not loading.done
+    trie.append(mine, A[3:])
+    trie.allocate(mine, 7)
+    compute(trie, mine, A)
+    before = trie.snapshot()
+    with pytest.raises(HostTierError, match=r"is being loaded by"):
+        trie.commit(mine, 6)
+    assert mine.loads == [own]
+    assert trie.snapshot() == before
+    copies.complete(loading)
+    trie.poll()
+    trie.commit(mine, 6)
+    assert mine.loads == [] and mine.num_committed_tokens == 6
+    trie.release(mine)
+    trie.release(theirs)
     trie.check()
 
 
