@@ -317,6 +317,27 @@ def test_a_store_evicts_the_lru_host_only_checkpoint_for_its_host_slot() -> None
     trie.check()
 
 
+def test_each_store_evicts_exactly_one_host_only_checkpoint_and_the_count_adds_up() -> None:
+    """A store short of a host slot evicts the least recent host-only checkpoint and no
+    other ([R55]); `host_evicted_checkpoints` counts every eviction, store after store."""
+    trie, _ = ssm_trie(slots=2, host_slots=2)
+    checkpointed(trie, PROMPT, 4, 7.0)
+    trie.evict_checkpoints(1)  # host-only, the least recent
+    checkpointed(trie, [7, 7, 7, 7, 7], 4, 6.0)
+    trie.evict_checkpoints(1)  # host-only too: both host slots held
+    checkpointed(trie, [9, 9, 9, 9, 9], 4, 8.0)  # needs a host slot: PROMPT's goes
+    assert trie.stats.host_evicted_checkpoints == 1
+    gone, kept = trie.match(PROMPT), trie.match([7, 7, 7, 7, 8])
+    assert (gone.num_cached_tokens, kept.num_cached_tokens) == (0, 4)
+    trie.abort(gone)
+    trie.abort(kept)
+    checkpointed(trie, [5, 5, 5, 5, 5], 4, 5.0)  # the next store: [7, 7, 7, 7]'s goes
+    assert trie.stats.host_evicted_checkpoints == 2
+    steps = sorted((c["residency"], c["step"]) for c in trie.snapshot()["checkpoints"].values())
+    assert steps == [(Residency.MIRRORED.value, 4)] * 2  # each in a device and a host slot
+    trie.check()
+
+
 def test_replacing_a_host_only_checkpoint_takes_a_device_slot_and_frees_its_host_slot() -> None:
     trie, _ = ssm_trie(slots=1, host_slots=2)
     checkpointed(trie, PROMPT, 4, 7.0)

@@ -101,6 +101,37 @@ def test_a_signed_array_is_refused_only_for_its_sign_bit(dtype: Any) -> None:
         token_list(np.array([3, -1], dtype=dtype))
 
 
+def test_a_tensor_subclass_is_read_as_a_tensor() -> None:
+    """The package of the array's type decides how it is read: a `torch.nn.Parameter`
+    (module `torch.nn.parameter`) is a tensor like any other."""
+    ids = torch.nn.Parameter(torch.tensor([1, 2, 3]), requires_grad=False)
+    assert token_list(ids).tolist() == [1, 2, 3]
+
+
+def test_a_tensor_off_the_cpu_is_refused_saying_why() -> None:
+    tokens = torch.zeros(3, dtype=torch.int64, device="meta")
+    with pytest.raises(InvalidType) as raised:
+        token_list(tokens, "prompt")
+    assert str(raised.value) == (
+        "prompt is a tensor on meta: pass token ids on the CPU "
+        "(reading them would synchronize the device)"
+    )
+
+
+def test_without_numpy_a_tensor_is_read_through_its_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where `Tensor.numpy()` fails (no numpy), the ids are read through `tolist()` and
+    checked as a list's are, under the argument's name."""
+
+    def no_numpy(self: torch.Tensor) -> Any:
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert token_list(torch.tensor([5, WIDE], dtype=torch.int64)).tolist() == [5, WIDE]
+    with pytest.raises(InvalidArgument) as raised:
+        token_list(torch.tensor([3, -1], dtype=torch.int8), "prompt")
+    assert str(raised.value) == "prompt must be in [0, 2**64); found -1"
+
+
 def test_append_takes_an_array_and_widens_when_it_needs_to() -> None:
     trie = _trie()
     seq = trie.match(np.array([1, 2, 3], dtype=np.int32))
