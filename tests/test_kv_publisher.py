@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import msgspec
 import zmq
 
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from cache.kv_events import encode_batch
 from cache.kv_publisher import END_SEQ, KVEventPublisher
 
 LOOP = "tcp://127.0.0.1:*"
@@ -303,3 +305,82 @@ def test_connect_mode_and_bad_arguments(ctx: Ctx) -> None:
         KVEventPublisher(LOOP).publish([object()])  # type: ignore[list-item]
     with pytest.raises(zmq.ZMQError):
         KVEventPublisher("tcp://256.0.0.1:*")
+
+
+def _wait_published(pub: KVEventPublisher, n: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while pub.published_batches < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert pub.published_batches == n
+
+
+def test_an_empty_batch_is_not_sent_and_takes_no_sequence_number(ctx: Ctx) -> None:
+    with KVEventPublisher(LOOP, replay_endpoint=LOOP) as pub:
+        assert pub.publish([]) is True
+        assert pub.publish(iter(())) is True
+        assert (pub.published_batches, pub.queued_batches, pub.dropped_batches) == (0, 0, 0)
+        assert pub.publish(_batch(1), ts=1.0) is True
+        _wait_published(pub, 1)
+        assert pub.replay_endpoint is not None
+        assert _replay(ctx, pub.replay_endpoint, 0) == [(0, encode_batch(_batch(1), ts=1.0))]
+
+
+def test_a_batch_whose_publisher_closes_while_it_is_built_is_refused() -> None:
+    pub = KVEventPublisher(LOOP)
+
+    def events() -> Iterator[Event]:
+        yield from _batch(0)
+        pub.close()  # as another thread may, while `publish` builds the batch
+
+    with pytest.raises(RuntimeError, match=r"^KVEventPublisher is closed$"):
+        pub.publish(events())
+    assert (pub.published_batches, pub.queued_batches, pub.dropped_batches) == (0, 0, 0)
+
+
+def test_a_given_seq_numbers_the_batch_and_may_only_skip_ahead(ctx: Ctx) -> None:
+    with KVEventPublisher(LOOP, replay_endpoint=LOOP) as pub:
+        assert pub.publish(_batch(0), ts=0.0, seq=5) is True
+        for bad in (5, 3, "7", 6.0, True):
+            message = f"KVEventPublisher.publish: seq must be an int >= 6, got {bad!r}"
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+                pub.publish(_batch(9), seq=bad)  # type: ignore[arg-type]
+        assert pub.publish(_batch(1), ts=1.0) is True  # the next number: 6
+        assert pub.publish(_batch(2), ts=2.0, seq=7) is True  # the next number, given
+        assert pub.publish(_batch(3), ts=3.0, seq=10) is True
+        _wait_published(pub, 4)
+        assert pub.replay_endpoint is not None
+        assert _replay(ctx, pub.replay_endpoint, 0) == [
+            (seq, encode_batch(_batch(i), ts=float(i))) for i, seq in enumerate((5, 6, 7, 10))
+        ]
+
+
+def test_without_a_replay_buffer_a_replay_gets_only_its_end(ctx: Ctx) -> None:
+    with KVEventPublisher(LOOP, replay_endpoint=LOOP, buffer_batches=0) as pub:
+        for i in range(3):
+            assert pub.publish(_batch(i)) is True
+        _wait_published(pub, 3)
+        assert pub.replay_endpoint is not None
+        assert _replay(ctx, pub.replay_endpoint, 0) == []
+
+
+def test_a_replay_address_in_use_fails_the_constructor_and_closes_its_sockets(ctx: Ctx) -> None:
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    before = set(threading.enumerate())
+    raised: list[BaseException] = []
+
+    def construct() -> None:
+        try:
+            KVEventPublisher(LOOP, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        except BaseException as exc:
+            raised.append(exc)
+
+    # In a thread: a socket left open would block the constructor's ctx.term() for good.
+    thread = threading.Thread(target=construct, daemon=True)
+    thread.start()
+    thread.join(TIMEOUT_MS / 1000)
+    assert not thread.is_alive(), "the constructor hung: a socket was left open"
+    assert len(raised) == 1 and isinstance(raised[0], zmq.ZMQError)
+    assert raised[0].errno == zmq.EADDRINUSE
+    assert set(threading.enumerate()) <= before  # no sender thread was started
+    taken.close(linger=0)

@@ -11,11 +11,24 @@ bytes over ZMQ in order, numbered, never blocking, counting what it drops.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import re
+import runpy
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -23,8 +36,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache import BlockTrie, CacheConfig
+from cache.events import AllBlocksCleared
 from cache.kv_events import encode_batch
-from cache.kv_publisher_process import ProcessEventPublisher, decode_frame, encode_frame
+from cache.kv_publisher import KVEventPublisher
+from cache.kv_publisher_process import ProcessEventPublisher, _child, decode_frame, encode_frame
 
 BIG = 1 << 40
 
@@ -114,6 +129,37 @@ def test_frames_carry_host_tier_and_checkpoint_events() -> None:
     _, _, decoded = decode_frame(encode_frame(records, seq=0, ts=0.0))
     assert encode_batch(decoded, ts=0.0) == encode_batch(records.events(), ts=0.0)
     trie.check()
+
+
+def test_vllm_digests_travel_as_their_low_64_bits() -> None:
+    """Deterministic (the property test above reaches this only on some draws): a
+    frame of 256-bit digests carries each hash, and a child commit's parent hash, cut
+    to the 64 bits the wire carries; a root commit's parent stays None."""
+    mask = (1 << 64) - 1
+    ops: list[tuple[list[int], str, Any, str]] = [
+        ([1, 2, 3, 4], "", None, "keep"),
+        ([1, 2, 3, 4, 5, 6], "", None, "evict"),
+    ]
+    a, b = BlockTrie(_config(block_hash="vllm")), BlockTrie(_config(block_hash="vllm"))
+    _run(a, ops)
+    _run(b, ops)
+    events = a.drain_events()
+    frame = encode_frame(b.drain_event_records(), seq=1, ts=2.0)
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    removed = [e for e in events if type(e).__name__ == "BlockRemoved"]
+    assert len(stored) == 2 and removed
+    assert stored[0].parent_block_hash is None and stored[1].parent_block_hash is not None
+    assert all(h > mask for e in events for h in e.block_hashes)  # wider than the wire
+    _, _, items = msgspec.msgpack.decode(frame)
+    assert [i[1] for i in items if i[0] == 0] == [None, stored[1].parent_block_hash & mask]
+    assert [i[4] for i in items if i[0] == 0] == [
+        [h & mask for h in e.block_hashes] for e in stored
+    ]
+    assert [i[1] for i in items if i[0] == 1] == [
+        [h & mask for h in e.block_hashes] for e in removed
+    ]
+    _, _, decoded = decode_frame(frame)
+    assert encode_batch(decoded, ts=2.0) == encode_batch(events, ts=2.0)
 
 
 @pytest.fixture
@@ -225,3 +271,465 @@ def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
         ProcessEventPublisher("tcp://127.0.0.1:*", buffer_batches=-1)
     with pytest.raises(ValueError, match="queue_batches"):
         ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=0)
+
+
+# ------------------------------------------------- the child's loop, in this process
+#
+# `ProcessEventPublisher` runs `_child(config)` in another process, where neither
+# coverage nor mutmut sees it. These tests run it in a thread of the test process,
+# wired as the parent wires it: a PUSH socket for frames and a PULL socket for its
+# reports, bound on ipc:// in a private directory, and a config like the parent's.
+
+LOOP = "tcp://127.0.0.1:*"
+WAIT_MS = 10_000
+STOP = b""  # the frame `close` sends: the child publishes what it holds, then exits
+TCP = re.compile(r"tcp://127\.0\.0\.1:\d+")
+Ctx = zmq.Context[zmq.Socket[bytes]]
+CHILD_THREAD = "in-process-encoder"
+
+
+class _Child:
+    """`_child(config)` in a daemon thread. `parent_gone` makes `os.getppid()`
+    (patched for the test) stop returning the parent the config names, as when the
+    engine's process dies and the child is re-parented."""
+
+    def __init__(
+        self, directory: str, monkeypatch: pytest.MonkeyPatch, *, main: bool = False, **config: Any
+    ) -> None:
+        self.ctx: Ctx = zmq.Context()
+        self.frames = self.ctx.socket(zmq.PUSH)
+        self.status = self.ctx.socket(zmq.PULL)
+        self.frames.setsockopt(zmq.LINGER, 0)
+        self.frames.setsockopt(zmq.SNDTIMEO, WAIT_MS)
+        self.status.setsockopt(zmq.LINGER, 0)
+        self.frames.bind(f"ipc://{directory}/frames")
+        self.status.bind(f"ipc://{directory}/status")
+        parent = os.getppid()
+        self.parent_gone = threading.Event()
+        monkeypatch.setattr(os, "getppid", lambda: -1 if self.parent_gone.is_set() else parent)
+        self.config: dict[str, Any] = {
+            "frames": f"ipc://{directory}/frames",
+            "status": f"ipc://{directory}/status",
+            "parent": parent,
+            "endpoint": LOOP,
+            "replay_endpoint": None,
+            "topic": "",
+            "buffer_batches": 10_000,
+            "data_parallel_rank": None,
+            "queue_batches": 10_000,
+            "legacy": False,
+            "hwm": 100_000,
+        }
+        self.config.update(config)
+        self.returned: list[int] = []
+        if main:
+            monkeypatch.setattr(sys, "argv", ["kv_publisher_process.py", json.dumps(self.config)])
+        target = self._main if main else self._target
+        self.thread = threading.Thread(target=target, name=CHILD_THREAD, daemon=True)
+        self.thread.start()
+
+    def _target(self) -> None:
+        self.returned.append(_child(self.config))
+
+    def _main(self) -> None:
+        """The module run as the parent runs it (``python -m ... CONFIG``), in-process."""
+        try:
+            runpy.run_module("cache.kv_publisher_process", run_name="__main__")
+        except SystemExit as exc:
+            assert isinstance(exc.code, int)
+            self.returned.append(exc.code)
+
+    def send(self, frame: bytes) -> None:
+        self.frames.send(frame)
+
+    def report(self) -> dict[str, Any]:
+        """The child's next status report (fails after `WAIT_MS`)."""
+        assert self.status.poll(WAIT_MS), "the child sent no status report"
+        report: dict[str, Any] = json.loads(self.status.recv())
+        return report
+
+    def sent_reports_until(self, sent: int) -> list[int]:
+        """The `sent` counts the child reports, up to and including `sent`."""
+        counts: list[int] = []
+        while not counts or counts[-1] < sent:
+            report = self.report()
+            assert set(report) == {"sent"}, report
+            counts.append(report["sent"])
+        return counts
+
+    def quiet(self, ms: int = 300) -> bool:
+        """No report comes within `ms`."""
+        return not self.status.poll(ms)
+
+    def exit_code(self) -> int:
+        """What `_child` returned (fails if it has not returned within `WAIT_MS`)."""
+        self.thread.join(WAIT_MS / 1000)
+        assert not self.thread.is_alive(), "the child did not exit"
+        return self.returned[0]
+
+    def close(self) -> None:
+        if self.thread.is_alive():  # a failed test: take both ways out of the loop
+            self.parent_gone.set()
+            with contextlib.suppress(zmq.ZMQError):
+                self.frames.send(STOP, zmq.NOBLOCK)
+            self.thread.join(WAIT_MS / 1000)
+        self.frames.close(linger=0)
+        self.status.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[str]:
+    """A short private directory for ipc:// endpoints (a socket path must fit in
+    108 bytes, which pytest's `tmp_path` plus a long test name can exceed)."""
+    directory = tempfile.mkdtemp(prefix="bt-ipc-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def start_child(ipc_dir: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., _Child]]:
+    started: list[_Child] = []
+
+    def start(**config: Any) -> _Child:
+        child = _Child(ipc_dir, monkeypatch, **config)
+        started.append(child)
+        return child
+
+    yield start
+    for child in started:
+        child.close()
+
+
+def _join(child: _Child, sub: zmq.Socket[bytes]) -> int:
+    """Send probe frames (an `AllBlocksCleared` batch each, numbered 0, 1, ...) until
+    `sub` receives one (PUB drops until the subscription has arrived), then take the
+    probes `sub` got and the child's reports for them: one each, as it publishes in
+    its own thread when it has no replay socket. Returns the number of probes."""
+    deadline = time.monotonic() + WAIT_MS / 1000
+    probes = 0
+    while True:
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        child.send(encode_frame([AllBlocksCleared()], seq=probes, ts=0.0))
+        probes += 1
+        if sub.poll(50):
+            break
+    while int.from_bytes(sub.recv_multipart()[1], "big") != probes - 1:
+        pass
+    assert child.sent_reports_until(probes) == list(range(1, probes + 1))
+    return probes
+
+
+def _evicting_batches(n: int) -> list[Any]:
+    """`n` batches of records from a trie: stored runs and evictions (`BlockRemoved`)."""
+    trie = BlockTrie(_config())
+    out = []
+    for r in range(n):
+        _run(trie, [([1, 2, 3, r, r + 1], "", None, "evict")])
+        out.append(trie.drain_event_records())
+    return out
+
+
+def _replay(ctx: Ctx, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, WAIT_MS)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    out: list[tuple[int, bytes]] = []
+    try:
+        while True:
+            empty, seq_bytes, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq_bytes == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                return out
+            out.append((int.from_bytes(seq_bytes, "big"), payload))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_the_child_publishes_each_frame_with_its_number_and_in_process_bytes(
+    start_child: Callable[..., _Child],
+) -> None:
+    child = start_child(topic="kv", data_parallel_rank=3)
+    ready = child.report()
+    assert set(ready) == {"endpoint", "replay_endpoint"}
+    assert TCP.fullmatch(ready["endpoint"]) and ready["replay_endpoint"] is None
+    ctx: Ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, WAIT_MS)
+    sub.setsockopt(zmq.LINGER, 0)
+    try:
+        sub.connect(ready["endpoint"])
+        first = _join(child, sub)
+        # Idle past its poll (100 ms) with the engine's process there: it keeps running.
+        assert child.quiet(300)
+        assert child.thread.is_alive()
+        batches = _evicting_batches(3)
+        seqs = [first, first + 2, first + 5]  # the engine dropped first+1, first+3, first+4
+        for seq, records in zip(seqs, batches, strict=True):
+            child.send(encode_frame(records, seq=seq, ts=seq / 4))
+        got = [sub.recv_multipart() for _ in seqs]
+        assert [(t, int.from_bytes(s, "big"), p) for t, s, p in got] == [
+            (b"kv", seq, encode_batch(records.events(), ts=seq / 4, data_parallel_rank=3))
+            for seq, records in zip(seqs, batches, strict=True)
+        ]
+        assert {type(e).__name__ for r in batches for e in r.events()} == {
+            "BlockStored",
+            "BlockRemoved",
+        }
+        assert [child.report() for _ in seqs] == [{"sent": first + k} for k in (1, 2, 3)]
+        child.send(STOP)
+        assert child.exit_code() == 0
+        assert child.report() == {"sent": first + 3}  # its last word
+        assert child.quiet(100)
+        assert not sub.poll(100)
+        # Its publisher is closed: the address is free again.
+        with ctx.socket(zmq.PUB) as again:
+            again.setsockopt(zmq.LINGER, 0)
+            again.bind(ready["endpoint"])
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_the_child_keeps_batches_for_replay_in_the_encoding_asked_for(
+    start_child: Callable[..., _Child],
+) -> None:
+    child = start_child(replay_endpoint=LOOP, buffer_batches=2, legacy=True)
+    ready = child.report()
+    assert TCP.fullmatch(ready["endpoint"]) and TCP.fullmatch(ready["replay_endpoint"])
+    assert ready["endpoint"] != ready["replay_endpoint"]
+    batches = _evicting_batches(3)
+    for seq, records in enumerate(batches):
+        child.send(encode_frame(records, seq=seq, ts=float(seq)))
+    wire = [encode_batch(r.events(), ts=float(s), legacy=True) for s, r in enumerate(batches)]
+    assert wire[0] != encode_batch(batches[0].events(), ts=0.0)  # legacy is another encoding
+    counts = child.sent_reports_until(3)  # a batch queued behind a replay poll may share one
+    assert counts == sorted(set(counts)) and counts[-1] == 3
+    ctx: Ctx = zmq.Context()
+    try:
+        # buffer_batches=2: the last two are kept, with the numbers the frames gave.
+        assert _replay(ctx, ready["replay_endpoint"], 0) == [(1, wire[1]), (2, wire[2])]
+        assert _replay(ctx, ready["replay_endpoint"], 2) == [(2, wire[2])]
+    finally:
+        ctx.term()
+    child.send(STOP)
+    assert child.exit_code() == 0
+    assert child.report() == {"sent": 3}
+
+
+def test_the_child_exits_when_the_engine_process_is_gone(
+    start_child: Callable[..., _Child],
+) -> None:
+    child = start_child()
+    assert TCP.fullmatch(child.report()["endpoint"])
+    child.send(encode_frame(_evicting_batches(1)[0], seq=0, ts=0.0))
+    assert child.report() == {"sent": 1}
+    assert child.quiet(300)
+    assert child.thread.is_alive()
+    child.parent_gone.set()  # os.getppid() is no longer the engine's pid
+    t0 = time.monotonic()
+    assert child.exit_code() == 0
+    assert time.monotonic() - t0 < 5  # at its next idle poll, not at some timeout
+    assert child.report() == {"sent": 1}
+    assert child.quiet(100)
+
+
+@pytest.mark.filterwarnings("ignore:'cache.kv_publisher_process' found in sys.modules")
+def test_the_module_run_as_a_program_exits_with_the_childs_code(
+    start_child: Callable[..., _Child],
+) -> None:
+    child = start_child(main=True, topic="t")
+    assert TCP.fullmatch(child.report()["endpoint"])
+    child.send(encode_frame(_evicting_batches(1)[0], seq=4, ts=0.0))
+    assert child.report() == {"sent": 1}
+    child.send(STOP)
+    assert child.exit_code() == 0  # sys.exit(_child(config from argv))
+    assert child.report() == {"sent": 1}
+
+
+def _expected_error(make: Callable[[], object]) -> dict[str, Any]:
+    """The report for what `KVEventPublisher` raises with the child's arguments."""
+    with pytest.raises((zmq.ZMQError, ValueError, TypeError)) as info:
+        make()
+    return {"error": str(info.value)}
+
+
+def _release(child: _Child, contexts: list[Ctx]) -> None:
+    """Let a child whose publisher failed return: it leaves its frames socket open
+    and so blocks in `ctx.term()` (see the xfail test below); close what it left."""
+    child.thread.join(0.2)
+    if child.thread.is_alive():
+        for ctx in contexts:
+            for sock in list(ctx._sockets):
+                if not sock.closed:
+                    sock.close(linger=0)
+
+
+@pytest.fixture
+def child_contexts(monkeypatch: pytest.MonkeyPatch) -> list[Ctx]:
+    """The ZMQ contexts the in-process child's thread makes from now on."""
+    made: list[Ctx] = []
+
+    class Recording(zmq.Context[zmq.Socket[bytes]]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if threading.current_thread().name == CHILD_THREAD:
+                made.append(self)
+
+    monkeypatch.setattr(zmq, "Context", Recording)
+    return made
+
+
+@pytest.mark.parametrize("case", ["address in use", "bad size", "not an address"])
+def test_the_child_reports_why_its_publisher_failed_and_returns_2(
+    case: str,
+    start_child: Callable[..., _Child],
+    child_contexts: list[Ctx],
+) -> None:
+    with contextlib.ExitStack() as stack:
+        if case == "address in use":
+            taken = stack.enter_context(stack.enter_context(zmq.Context()).socket(zmq.PUB))
+            taken.setsockopt(zmq.LINGER, 0)
+            endpoint = f"tcp://*:{taken.bind_to_random_port('tcp://127.0.0.1')}"  # binds
+            expected = _expected_error(lambda: KVEventPublisher(endpoint))
+            expected |= {"type": "ZMQError", "errno": zmq.EADDRINUSE}
+            assert "Address already in use" in expected["error"]
+            child = start_child(endpoint=endpoint)
+        elif case == "bad size":
+            expected = _expected_error(lambda: KVEventPublisher(LOOP, buffer_batches=-1))
+            expected |= {"type": "ValueError"}
+            assert expected["error"] == (
+                "KVEventPublisher buffer_batches must be a non-negative int: -1"
+            )
+            child = start_child(buffer_batches=-1)
+        else:
+            expected = _expected_error(lambda: KVEventPublisher(5))  # type: ignore[arg-type]
+            expected |= {"type": "TypeError"}
+            child = start_child(endpoint=5)
+        assert child.report() == expected
+        _release(child, child_contexts)
+        assert child.exit_code() == 2
+        assert child.quiet(100)  # nothing after the error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: on a failed KVEventPublisher, _child closes its status socket but not "
+    "its frames socket, so ctx.term() blocks and the process never returns 2 (the parent "
+    "only gets rid of it by terminating it)",
+)
+def test_a_child_whose_publisher_failed_exits_by_itself(
+    start_child: Callable[..., _Child],
+    child_contexts: list[Ctx],
+) -> None:
+    child = start_child(buffer_batches=-1)
+    try:
+        assert child.report()["type"] == "ValueError"
+        child.thread.join(1.0)
+        assert not child.thread.is_alive()
+    finally:
+        _release(child, child_contexts)
+        child.thread.join(WAIT_MS / 1000)
+
+
+# ------------------------------------------------ the parent when its child fails
+
+
+def _record_dirs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The directories `tempfile.mkdtemp` makes from now on."""
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
+
+    def recording(*args: Any, **kwargs: Any) -> str:
+        directory = str(mkdtemp(*args, **kwargs))
+        made.append(directory)
+        return directory
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recording)
+    return made
+
+
+def _record_children(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
+    """The processes `subprocess.Popen` starts from now on."""
+    made: list[subprocess.Popen[bytes]] = []
+
+    class Recording(subprocess.Popen[bytes]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recording)
+    return made
+
+
+def test_a_child_that_exits_before_reporting_fails_the_constructor_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    false = shutil.which("false")
+    assert false is not None
+    dirs = _record_dirs(monkeypatch)
+    monkeypatch.setattr(sys, "executable", false)  # a "child" that exits with 1
+    t0 = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"^ProcessEventPublisher: the encoder process exited \(1\)$"
+    ):
+        ProcessEventPublisher(LOOP, start_timeout=30.0)
+    assert time.monotonic() - t0 < 10  # seen exiting, not waited for
+    assert len(dirs) == 1 and not os.path.exists(dirs[0])
+
+
+def test_a_child_that_never_reports_times_out_and_is_terminated(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    silent = tmp_path / "silent-child"
+    silent.write_text("#!/bin/sh\nexec sleep 60\n")
+    silent.chmod(0o755)
+    dirs = _record_dirs(monkeypatch)
+    children = _record_children(monkeypatch)
+    monkeypatch.setattr(sys, "executable", str(silent))
+    t0 = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match=r"^ProcessEventPublisher: the encoder process did not start in 0.3 s$"
+    ):
+        ProcessEventPublisher(LOOP, start_timeout=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 10
+    assert len(children) == 1 and children[0].returncode == -signal.SIGTERM
+    assert len(dirs) == 1 and not os.path.exists(dirs[0])
+
+
+def test_a_child_that_does_not_stop_on_close_is_logged_then_killed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pub = ProcessEventPublisher(LOOP)
+    proc = pub._proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)  # takes no stop frame, and holds SIGTERM pending
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="cache.kv_publisher_process"):
+        pub.close(timeout=0.3)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == -signal.SIGKILL  # terminate() waited 2 s in vain, then kill()
+    assert 2.3 <= elapsed < 20
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV event encoder process did not stop within 0.3 s"
+    ]
+
+
+def test_wait_published_gives_up_at_its_timeout_and_when_the_child_is_gone() -> None:
+    with ProcessEventPublisher(LOOP) as pub:
+        t0 = time.monotonic()
+        assert pub.wait_published(1, timeout=0.3) is False  # nothing was published
+        assert 0.3 <= time.monotonic() - t0 < 10
+        assert pub.publish(_evicting_batches(1)[0])
+        assert pub.wait_published(1) is True
+        assert pub.published_batches == 1
+        assert pub._proc is not None
+        pub._proc.kill()
+        pub._proc.wait()
+        t0 = time.monotonic()
+        assert pub.wait_published(2, timeout=60.0) is False  # gone: not waited for
+        assert time.monotonic() - t0 < 10
