@@ -401,6 +401,7 @@ def _child(config: dict[str, Any]) -> int:
         if isinstance(exc, zmq.ZMQError):
             report["errno"] = exc.errno
         status.send(json.dumps(report).encode())
+        frames.close(linger=0)  # every socket closed, or `term` waits for it forever
         status.close()
         ctx.term()
         return 2
