@@ -188,3 +188,17 @@ def test_every_checkpoint_state_has_a_route_to_every_other() -> None:
     accepted equivalent mutant in tools/equivalent_mutants.txt)."""
     states = [s.value for s in CheckpointState]
     assert all((a, b) in CHECKPOINT.routes for a in states for b in states)
+
+
+def test_a_host_slot_asked_of_a_store_without_host_slots_is_an_invariant_violation() -> None:
+    """`_host_pool` is the guard every host-slot use goes through: without host
+    checkpoint slots it names the broken invariant instead of failing on None."""
+    from spec.errors import InvariantViolation
+
+    trie, _ = ssm_trie(manual=False)
+    with pytest.raises(InvariantViolation) as raised:
+        trie._checkpoints._host_pool()
+    assert (raised.value.invariant, raised.value.detail) == (
+        "host tier",
+        "a host checkpoint slot without a host tier",
+    )

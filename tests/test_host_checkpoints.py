@@ -136,6 +136,7 @@ def test_a_storing_checkpoint_is_pinned_until_its_store_is_reaped() -> None:
     (store,) = [c for c in manual.pending() if c.kind == "store"]
     ck = the_checkpoint(trie, 4)
     assert store.resources == {("slot", ck["slot"]), ("host_slot", ck["host_slot"])}
+    assert (store.step, store.serial) == (4, save.serial + 1)  # numbered right after it
     assert ck["residency"] == Residency.STORING.value
     assert ck["state"] == CheckpointState.PINNED.value and ck["pins"] == 2  # save + store
     assert trie.evict_checkpoints(1) == 0  # neither evicted nor offloaded while read
@@ -314,6 +315,16 @@ def test_a_store_evicts_the_lru_host_only_checkpoint_for_its_host_slot() -> None
     assert ck["residency"] == Residency.MIRRORED.value
     assert trie.host_checkpoint_states["s"][ck["host_slot"]].tolist() == [8.0, -8.0]  # type: ignore[index]
     assert trie.match(PROMPT).num_cached_tokens == 0  # the host-only one is gone
+    trie.check()
+
+
+def test_every_offload_is_counted() -> None:
+    trie, _ = ssm_trie(slots=2, host_slots=2)
+    checkpointed(trie, PROMPT, 4, 7.0)
+    checkpointed(trie, [7, 7, 7, 7, 7], 4, 6.0)
+    assert trie.evict_checkpoints(1) == 1
+    assert trie.evict_checkpoints(1) == 1
+    assert trie.stats.checkpoints_offloaded == 2 and trie.stats.evicted_checkpoints == 0
     trie.check()
 
 
