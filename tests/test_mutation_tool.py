@@ -137,20 +137,46 @@ class _Item:
         self.nodeid = nodeid
 
 
-def test_under_a_mutant_tests_run_fastest_first_and_unrecorded_last(
+class _Hook:
+    def __init__(self, deselected: list[_Item]) -> None:
+        self.deselected = deselected
+
+    def pytest_deselected(self, items: list[_Item]) -> None:
+        self.deselected.extend(items)
+
+
+class _Config:
+    """What the conftest's collection hook uses of pytest's config: its hook relay."""
+
+    def __init__(self, deselected: list[_Item]) -> None:
+        self.hook = _Hook(deselected)
+
+
+def test_under_a_mutant_tests_run_fastest_first_and_the_slowest_are_left_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from tests import conftest
 
-    durations = {"t::slow": 3.0, "t::fast": 0.01, "t::mid": 0.5}
+    durations = {"t::slow": 3.0, "t::fast": 0.01, "t::mid": 0.5, "t::minutes": 61.0}
     monkeypatch.setattr(conftest, "_mutmut_durations", lambda: durations)
-    items = [_Item(n) for n in ("t::slow", "t::new", "t::fast", "t::mid")]
+    deselected: list[_Item] = []
+    config = _Config(deselected)
+    names = ("t::slow", "t::minutes", "t::new", "t::fast", "t::mid")
+    items = [_Item(n) for n in names]
     monkeypatch.delenv("MUTANT_UNDER_TEST", raising=False)
-    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
-    assert [i.nodeid for i in items] == ["t::slow", "t::new", "t::fast", "t::mid"]
+    conftest.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == list(names)
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")  # mutmut's own runs: ordered only
+    conftest.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == ["t::fast", "t::mid", "t::slow", "t::minutes", "t::new"]
+    assert deselected == []
     monkeypatch.setenv("MUTANT_UNDER_TEST", "cache.lru.x_add__mutmut_3")
-    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    conftest.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
     assert [i.nodeid for i in items] == ["t::fast", "t::mid", "t::slow", "t::new"]
+    assert [i.nodeid for i in deselected] == ["t::minutes"]
+    only_slow = [_Item("t::minutes")]  # never all of a mutant's tests
+    conftest.pytest_collection_modifyitems(config, only_slow)  # type: ignore[arg-type]
+    assert [i.nodeid for i in only_slow] == ["t::minutes"]
 
 
 @pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="no setitimer")
