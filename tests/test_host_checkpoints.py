@@ -115,6 +115,11 @@ def test_a_block_aligned_checkpoint_is_stored_to_a_host_slot_as_it_is_saved() ->
         (MEDIUM_CPU, (ck["host_slot"],)),
     ]
     assert stored[0].block_hashes == stored[1].block_hashes  # one checkpoint, two tiers
+    same = ("parent_block_hash", "token_ids", "block_size", "namespace", "extra_keys")
+    assert [getattr(stored[1], f) for f in same] == [getattr(stored[0], f) for f in same]
+    assert stored[1].block_size == B and stored[1].token_ids == (3, 4)
+    checkpointed(trie, [7, 7, 7, 7, 7], 4, 6.0)
+    assert trie.stats.checkpoints_stored == 2  # every store counts
     trie.check()
 
 
