@@ -264,12 +264,10 @@ def test_make_room_waits_for_the_write_back_stores_an_engine_can_wait_for() -> N
     trie.check()
 
 
-def test_make_room_short_of_blocks_a_manual_store_holds_raises_and_keeps_the_store() -> None:
-    """With `ManualCopies`, which cannot wait, room-making that queued a write-back
-    store and is still short raises `OutOfBlocks` naming the stores in flight; once
-    the test completes them, the same allocation succeeds."""
-    copies = ManualCopies()
-    trie = host_trie(num_blocks=4, copies=copies, host_write="back")
+def _short_of_room_behind_a_store(trie: BlockTrie) -> Sequence:
+    """A write-back trie of 4 blocks holding A: a request for OTHER's 2 blocks makes room
+    by queuing the store of A's last block, is still one short, and is refused with
+    `OutOfBlocks` naming the stores in flight. Returns that request."""
     trie.release(prefill(trie, A))
     other = trie.match(OTHER[:3])
     message = (
@@ -278,6 +276,16 @@ def test_make_room_short_of_blocks_a_manual_store_holds_raises_and_keeps_the_sto
     )
     with pytest.raises(OutOfBlocks, match=f"^{re.escape(message)}$"):
         trie.allocate(other, 3)
+    return other
+
+
+def test_make_room_short_of_blocks_a_manual_store_holds_raises_and_keeps_the_store() -> None:
+    """With `ManualCopies`, which cannot wait, room-making that queued a write-back
+    store and is still short raises `OutOfBlocks` naming the stores in flight; once
+    the test completes them, the same allocation succeeds."""
+    copies = ManualCopies()
+    trie = host_trie(num_blocks=4, copies=copies, host_write="back")
+    other = _short_of_room_behind_a_store(trie)
     (store,) = copies.pending()
     assert store.kind == "store" and not store.done
     copies.complete(store)
@@ -1141,14 +1149,7 @@ def test_a_write_back_store_still_running_after_the_wait_stays_queued() -> None:
     is neither forgotten nor reaped: `OutOfBlocks`, and a later poll reaps it."""
     engine = _UnfinishedWaits()
     trie = host_trie(num_blocks=4, copies=engine, host_write="back")
-    trie.release(prefill(trie, A))
-    other = trie.match(OTHER[:3])
-    message = (
-        "need 2 KV blocks: 1 free; 1 more are freed when the write-back stores in flight "
-        "finish (complete them, poll, retry)"
-    )
-    with pytest.raises(OutOfBlocks, match=f"^{re.escape(message)}$"):
-        trie.allocate(other, 3)
+    other = _short_of_room_behind_a_store(trie)
     (store,) = engine.queued
     assert store.kind == "store" and not store.done
     assert trie.poll() == 0, "not done: still queued on the engine"
