@@ -1022,6 +1022,14 @@ def test_a_commit_refused_for_another_requests_load_keeps_the_requests_own_loads
     trie.check()
 
 
+def _commit_refused(trie: BlockTrie, seq: Sequence, message: str) -> None:
+    """`commit(seq, 6)` raises `HostTierError` with exactly `message`, changing nothing."""
+    before = trie.snapshot()
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.commit(seq, 6)
+    assert trie.snapshot() == before
+
+
 def test_commit_of_a_block_another_request_is_loading_waits_for_that_load() -> None:
     """A commit whose computed block equals one another request is loading is refused,
     naming the block and the load: while it is not done, and while it failed but is
@@ -1043,23 +1051,19 @@ def test_commit_of_a_block_another_request_is_loading_waits_for_that_load() -> N
     copy = trie.load(loader)  # loads (2, 2) and (3, 3)
     assert copy is not None and not copy.done
     compute(trie, computing, A)
-    before = trie.snapshot()
-    message = (
+    _commit_refused(
+        trie,
+        computing,
         f"commit: block 1 of {computing!r} is being loaded by {copy!r}; "
-        "commit it once that copy is done"
+        "commit it once that copy is done",
     )
-    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
-        trie.commit(computing, 6)
-    assert trie.snapshot() == before
     copies.fail(copy)
-    before = trie.snapshot()
-    message = (
+    _commit_refused(
+        trie,
+        computing,
         f"commit: block 1 of {computing!r} equals a block whose load {copy!r} "
-        "failed; poll() and commit again (the computed block is adopted)"
+        "failed; poll() and commit again (the computed block is adopted)",
     )
-    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
-        trie.commit(computing, 6)
-    assert trie.snapshot() == before
     assert computing.num_committed_tokens == 0
     trie.poll()
     blocks = computing.block_ids
