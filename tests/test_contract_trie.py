@@ -917,6 +917,16 @@ def test_an_engine_serving_another_trie_is_refused_and_the_current_one_kept() ->
     assert len(mine.pending()) == 1 and theirs.pending() == []
 
 
+def test_copies_the_host_tier_builds_take_the_tries_next_serials() -> None:
+    """Copies are numbered 1, 2, 3, ... in the order they are queued, whether the trie
+    builds them or its host tier does (`Transfers.number`): no serial is skipped."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    trie.release(prefill(trie, A))  # write-through: the first store
+    trie.release(prefill(trie, OTHER))  # and the second
+    assert [(c.kind, c.serial) for c in copies.pending()] == [("store", 1), ("store", 2)]
+
+
 def test_repr_names_the_block_size_and_the_block_and_slot_counts() -> None:
     """`repr(trie)`: the block size, free and cached KV blocks out of the capacity,
     and free checkpoint slots out of theirs, as they are now."""
