@@ -927,6 +927,28 @@ def test_copies_the_host_tier_builds_take_the_tries_next_serials() -> None:
     assert [(c.kind, c.serial) for c in copies.pending()] == [("store", 1), ("store", 2)]
 
 
+def test_the_snapshot_names_the_nodes_a_host_copy_moves() -> None:
+    """`snapshot()["copies"]` lists, for a host-tier copy, the serials of the nodes it
+    moves, beside its device and host blocks."""
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)
+    trie.release(prefill(trie, A))  # write-through: one store of A's three blocks
+    snap = trie.snapshot()
+    chain = sorted(serial for serial, node in snap["nodes"].items() if node["parent"] is not None)
+    assert snap["copies"] == {
+        1: {
+            "kind": "store",
+            "blocks": [0, 1, 2],
+            "pins": [],
+            "done": False,
+            "state": "queued",
+            "host_blocks": [0, 1, 2],
+            "nodes": chain,
+        }
+    }
+    assert chain == [1, 2, 3]
+
+
 def test_repr_names_the_block_size_and_the_block_and_slot_counts() -> None:
     """`repr(trie)`: the block size, free and cached KV blocks out of the capacity,
     and free checkpoint slots out of theirs, as they are now."""
