@@ -75,6 +75,10 @@ BAD = [
         f"got {MAX_POOL_ENTRIES + 1}",
     ),
     (
+        {"num_host_blocks": MAX_POOL_ENTRIES + 1},
+        f"CacheConfig.num_host_blocks must be <= {MAX_POOL_ENTRIES}, got {MAX_POOL_ENTRIES + 1}",
+    ),
+    (
         {"kv_block_shape": (2, 0)},
         "CacheConfig.kv_block_shape must be a tuple of positive ints, got (2, 0)",
     ),

@@ -949,6 +949,19 @@ def test_the_snapshot_names_the_nodes_a_host_copy_moves() -> None:
     assert chain == [1, 2, 3]
 
 
+def test_the_snapshot_replays_host_blocks_only_with_a_host_tier() -> None:
+    """`snapshot()["event_host_blocks"]`, the host blocks the drained events say are
+    cached, is None without a host tier, and the replayed set with one."""
+    plain = BlockTrie(CacheConfig(block_size=B, num_blocks=8, enable_events=True))
+    assert plain.snapshot()["event_host_blocks"] is None
+    copies = ManualCopies()
+    trie = host_trie(copies=copies)  # events on
+    trie.release(prefill(trie, A))
+    copies.complete_all()
+    trie.poll()
+    assert trie.snapshot()["event_host_blocks"] == {0, 1, 2}  # A's three, stored
+
+
 def test_repr_names_the_block_size_and_the_block_and_slot_counts() -> None:
     """`repr(trie)`: the block size, free and cached KV blocks out of the capacity,
     and free checkpoint slots out of theirs, as they are now."""
