@@ -427,3 +427,14 @@ def test_host_checkpoints_on_cuda_round_trip() -> None:
     torch.cuda.synchronize()
     trie.poll()
     trie.check()
+
+
+def test_the_snapshot_replays_host_checkpoint_slots_only_with_host_slots() -> None:
+    """`snapshot()["event_host_checkpoint_slots"]`: None without host checkpoint slots;
+    with them, the slots the drained events say hold a stored checkpoint."""
+    without, _ = ssm_trie(host_slots=0)
+    checkpointed(without, PROMPT, 4, 7.0)
+    assert without.snapshot()["event_host_checkpoint_slots"] is None
+    trie, _ = ssm_trie()
+    checkpointed(trie, PROMPT, 4, 7.0)
+    assert trie.snapshot()["event_host_checkpoint_slots"] == {the_checkpoint(trie, 4)["host_slot"]}
