@@ -118,6 +118,21 @@ BAD = [
     ({"hash_seed": 1.0}, "CacheConfig.hash_seed must be an int in [0, 2**64), got 1.0"),
     ({"hash_seed": True}, "CacheConfig.hash_seed must be an int in [0, 2**64), got True"),
     (
+        {"num_host_checkpoint_slots": 2},
+        "CacheConfig.num_host_checkpoint_slots needs num_checkpoint_slots > 0: host "
+        "checkpoints are stored from device checkpoints",
+    ),
+    (
+        {"host_write": "around"},
+        "CacheConfig.host_write must be one of ('through', 'back'), got 'around'",
+    ),
+    (
+        {"num_host_blocks": 4, "host_write": "back", "num_checkpoint_slots": 1},
+        "CacheConfig.host_write='back' needs num_checkpoint_slots=0: a checkpoint's "
+        "frozen tail needs a block at once, and write-back frees blocks only when "
+        "their stores finish (use 'through' with SSM checkpoints)",
+    ),
+    (
         {"block_hash": "md5"},
         "CacheConfig.block_hash must be one of ('xxh3', 'vllm'), got 'md5'",
     ),
