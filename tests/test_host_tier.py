@@ -286,6 +286,31 @@ def test_load_of_a_longer_prompt_is_ordered_after_the_shared_load() -> None:
     trie.check()
 
 
+def test_a_request_waiting_on_two_loads_commits_once_both_finish() -> None:
+    """A request whose hit two other requests' loads cover gets an empty copy
+    ordered after both to wait on; its commit needs only the two loads, which
+    are what its block table reads, not that ordering copy."""
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    short, first, seq, own = chained_loads(trie, copies)
+    tokens = [*LONGER[:8], 7, 7, 9]
+    third = trie.match(tokens)
+    assert third.num_host_tokens == 8 and third.block_ids == seq.block_ids
+    after_both = trie.load(third)
+    assert after_both is not None and after_both not in (first, own)
+    copies.complete(own)  # and the shared load before it
+    assert first.done and own.done and not after_both.done
+    trie.allocate(third, len(tokens))
+    compute(trie, third, tokens)
+    trie.commit(third, len(tokens))
+    copies.complete_all()
+    trie.poll()
+    assert_reads(trie, third, tokens)
+    for request in (short, seq, third):
+        trie.release(request)
+    trie.check()
+
+
 def serve_manual(trie: BlockTrie, copies: ManualCopies, tokens: list[int]) -> None:
     seq = trie.match(tokens)
     trie.load(seq)
