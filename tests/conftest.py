@@ -57,6 +57,17 @@ def _mutmut_durations() -> Mapping[str, float]:
     return state().duration_by_test
 
 
+def _accepted_equivalents() -> set[str]:
+    """The mutants `tools/equivalent_mutants.txt` accepts as equivalent, when
+    `tools.mutation` names that file in `BLOCKTRIE_EQUIVALENT_MUTANTS` (read anew
+    for each mutant, so names added during a run count at once); else none."""
+    listed = os.environ.get("BLOCKTRIE_EQUIVALENT_MUTANTS")
+    if not listed or not Path(listed).is_file():
+        return set()
+    lines = Path(listed).read_text().splitlines()
+    return {name for line in lines if (name := line.split("#", 1)[0].strip())}
+
+
 MUTANT_SKIP_ABOVE_S = 60.0
 """Under a mutant, tests whose stats-run duration exceeds this are not run (unless
 they are all a mutant has)."""
@@ -80,6 +91,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     deselected, unless that would leave none. Running fewer tests can only kill
     fewer mutants: a score measured this way is never higher than the full
     suite's.
+
+    An accepted equivalent mutant (`_accepted_equivalents`) runs no test at all:
+    every score leaves it out, and it would survive every test, the costliest
+    outcome.
     """
     if "MUTANT_UNDER_TEST" not in os.environ:
         return
@@ -88,10 +103,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     slow = float("inf")
     items.sort(key=lambda item: durations.get(item.nodeid, slow))
-    if "__mutmut_" not in os.environ["MUTANT_UNDER_TEST"]:
+    mutant = os.environ["MUTANT_UNDER_TEST"]
+    if "__mutmut_" not in mutant:
         return
-    keep = [i for i in items if durations.get(i.nodeid, 0.0) <= MUTANT_SKIP_ABOVE_S]
-    if keep and len(keep) < len(items):
+    if mutant in _accepted_equivalents():
+        keep: list[pytest.Item] = []
+    else:
+        keep = [i for i in items if durations.get(i.nodeid, 0.0) <= MUTANT_SKIP_ABOVE_S]
+        keep = keep or items  # never none of a mutant's tests: the slow ones then run
+    if len(keep) < len(items):
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
         items[:] = keep

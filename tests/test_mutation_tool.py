@@ -179,6 +179,38 @@ def test_under_a_mutant_tests_run_fastest_first_and_the_slowest_are_left_out(
     assert [i.nodeid for i in only_slow] == ["t::minutes"]
 
 
+def test_an_accepted_equivalent_mutant_runs_no_test(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A mutant listed in the equivalents file `tools.mutation` names runs nothing
+    (every score leaves it out); one not listed, or with no file named, runs its
+    tests; and the file is read anew for each mutant."""
+    from tests import conftest
+
+    monkeypatch.setattr(conftest, "_mutmut_durations", lambda: {"t::a": 0.1, "t::b": 0.2})
+    listed = tmp_path / "equivalent_mutants.txt"
+    listed.write_text("# why\ncache.lru.x_add__mutmut_3  # inline\n")
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "cache.lru.x_add__mutmut_3")
+
+    def run() -> tuple[list[str], list[str]]:
+        deselected: list[_Item] = []
+        items = [_Item("t::b"), _Item("t::a")]
+        conftest.pytest_collection_modifyitems(_Config(deselected), items)  # type: ignore[arg-type]
+        return [i.nodeid for i in items], [i.nodeid for i in deselected]
+
+    monkeypatch.delenv("BLOCKTRIE_EQUIVALENT_MUTANTS", raising=False)
+    assert run() == (["t::a", "t::b"], [])
+    monkeypatch.setenv("BLOCKTRIE_EQUIVALENT_MUTANTS", str(listed))
+    assert run() == ([], ["t::a", "t::b"])
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "cache.lru.x_add__mutmut_4")
+    assert run() == (["t::a", "t::b"], [])
+    listed.write_text("cache.lru.x_add__mutmut_4\n")
+    assert run() == ([], ["t::a", "t::b"])
+    monkeypatch.setenv("BLOCKTRIE_EQUIVALENT_MUTANTS", str(tmp_path / "missing.txt"))
+    assert run() == (["t::a", "t::b"], [])
+    assert mutation.EQUIVALENT.is_file()  # the file `tools.mutation` names
+
+
 @pytest.mark.skipif(not hasattr(__import__("signal"), "setitimer"), reason="no setitimer")
 def test_under_a_mutant_a_test_far_past_its_recorded_time_fails(
     monkeypatch: pytest.MonkeyPatch,
