@@ -816,6 +816,41 @@ def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() 
     trie.check()
 
 
+class _SavesFailWhenTold(DeviceCopies):
+    """CPU copies; save copies fail when queued once `fail_saves` is set."""
+
+    fail_saves = False
+
+    def _start(self, copy: Copy) -> None:
+        if copy.kind == "save" and self.fail_saves:
+            raise RuntimeError("simulated save failure")
+        super()._start(copy)
+
+
+def test_a_failed_save_that_replaced_a_checkpoint_counts_it_once_and_gives_its_tick_back() -> None:
+    """[R38]: the checkpoint a failed save replaced is lost with its slot's data, so it
+    adds one to `evicted_checkpoints` (on top of earlier evictions); the save's tick
+    is given back, so the clock is where it was, not restarted."""
+    config = ssm_trie(slots=2, manual=False)[0].config
+    engine = _SavesFailWhenTold()
+    trie = BlockTrie(config, copies=engine)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 4, state(1.0))
+    trie.save(seq, 8, state(2.0))
+    trie.save(seq, 2, state(3.0))  # no free slot: the checkpoint at 4 is evicted
+    assert trie.stats.evicted_checkpoints == 1
+    clock = trie.clock
+    assert clock > 1
+    engine.fail_saves = True
+    with pytest.raises(CacheError, match="simulated save failure"):
+        trie.save(seq, 9, state(4.0))  # replaces the one at 8 (same anchor), then fails
+    assert trie.stats.evicted_checkpoints == 2
+    assert trie.clock == clock
+    assert sorted(ck["step"] for ck in trie.snapshot()["checkpoints"].values()) == [2]
+    trie.release(seq)
+    trie.check()
+
+
 # ------------------------------------------------------------ construction and inspection
 
 

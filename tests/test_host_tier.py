@@ -7,6 +7,7 @@ claims to hold.
 
 from __future__ import annotations
 
+import re
 import warnings
 from types import FrameType
 
@@ -243,7 +244,9 @@ def test_a_request_matching_a_block_being_loaded_waits_on_that_copy() -> None:
     late = trie.match(longer)  # the blocks have device blocks now, still loading
     assert late.num_host_tokens == 6 and late.num_cached_tokens == 6
     assert late.block_ids == first.block_ids
+    trie.faults.reset()
     assert trie.load(late) is copy
+    assert trie.faults.points == []  # nothing of its own to load: nothing allocated
     trie.allocate(late, len(longer))
     with pytest.raises(HostTierError, match="loading"):
         trie.commit(late, 8)
@@ -390,6 +393,31 @@ def test_a_failed_load_cuts_every_request_that_reads_it() -> None:
     assert trie.num_free_blocks == 8
     trie.check()
     serve_manual(trie, copies, A)  # the prefix loads again
+    trie.check()
+
+
+def test_a_commit_before_poll_sees_a_failed_load_and_says_to_abort() -> None:
+    """A commit that reads a load which failed but is not yet polled is refused,
+    telling the engine to abort (not to wait: the load will never finish); one
+    that reads an unfinished load is told to wait."""
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    trie.evict(10)
+    seq = trie.match(LONGER)  # A's three blocks on the host, and one more
+    copy = trie.load(seq)
+    assert copy is not None
+    trie.allocate(seq, len(LONGER))
+    loading = f"commit: {seq!r} reads blocks that {copy!r} is loading"
+    with pytest.raises(HostTierError, match=f"^{re.escape(loading)}; wait for it$"):
+        trie.commit(seq, 8)
+    copies.fail(copy)
+    loading = f"commit: {seq!r} reads blocks that {copy!r} is loading"  # now failed
+    failed = f"^{re.escape(loading)}; it failed: abort the request$"
+    with pytest.raises(HostTierError, match=failed):
+        trie.commit(seq, 8)
+    trie.poll()
+    trie.abort(seq)
     trie.check()
 
 
