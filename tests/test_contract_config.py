@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from cache.config import MAX_POOL_ENTRIES, CacheConfig
+from cache.config import MAX_POOL_ENTRIES, CacheConfig, HostTierUnusedWarning
 from spec.errors import ConfigError
 
 
@@ -103,6 +103,11 @@ BAD = [
     (
         {"num_blocks": 2, "kv_block_shape": (2**62,)},
         f"CacheConfig.kv_block_shape: 2 x ({2**62},) elements do not fit in one tensor",
+    ),
+    (
+        {"num_host_blocks": MAX_POOL_ENTRIES, "kv_block_shape": (2**33,)},
+        f"CacheConfig.kv_block_shape: {MAX_POOL_ENTRIES} x ({2**33},) elements do not fit "
+        "in one tensor",
     ),
     (
         {"num_checkpoint_slots": 4, "state_shapes": {"conv": (1,), "ssm": (2**61, 1)}},
@@ -203,3 +208,19 @@ def test_a_cuda_index_must_name_an_existing_device(monkeypatch: pytest.MonkeyPat
     message = "CacheConfig.device 'cuda:2': only 2 CUDA device(s)"
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         _config(device="cuda:2")
+
+
+HOST_TIER_UNUSED = (
+    "CacheConfig: num_host_blocks > 0 with SSM checkpoints "
+    "(num_checkpoint_slots > 0) stores KV to the host but never serves it: an SSM "
+    "hit ends at a checkpoint, and a block offloaded to the host loses its "
+    "checkpoint. Set num_host_blocks=0; num_host_checkpoint_slots keeps "
+    "checkpoints in host memory"
+)
+
+
+def test_one_host_block_with_one_checkpoint_slot_warns_the_host_tier_is_unused() -> None:
+    """The warning's whole text, from the smallest configuration that earns it."""
+    with pytest.warns(HostTierUnusedWarning) as caught:
+        _config(num_host_blocks=1, num_checkpoint_slots=1)
+    assert [str(w.message) for w in caught] == [HOST_TIER_UNUSED]
