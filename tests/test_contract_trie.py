@@ -350,6 +350,7 @@ def test_counts_of_the_wrong_type_or_sign_are_refused_naming_the_argument() -> N
     before = trie.snapshot()
     cases: list[tuple[Callable[[], object], type[Exception], str]] = [
         (lambda: trie.evict_host("1"), InvalidType, "n must be an int, got str"),  # type: ignore[arg-type]
+        (lambda: trie.evict(1.0), InvalidType, "num_blocks must be an int, got float"),  # type: ignore[arg-type]
         (lambda: trie.evict_checkpoints("1"), InvalidType, "n must be an int, got str"),  # type: ignore[arg-type]
         (lambda: trie.save(seq, "4", state(1.0)), InvalidType, "step must be an int, got str"),  # type: ignore[arg-type]
         (lambda: trie.evict_host(-1), InvalidArgument, "evict_host: n must be >= 0, got -1"),
@@ -813,6 +814,22 @@ def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() 
     assert after["nodes"] == before["nodes"]
     assert rollback(before, after) == [] and trie.clock == clock
     trie.release(seq)
+    trie.check()
+
+
+def test_namespace_roots_have_serials_no_node_has() -> None:
+    """Each namespace root gets its own serial, apart from every node's (the
+    snapshot and every index name nodes by serial): roots count down from -1,
+    nodes up from 1."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    for namespace in ("a", "b", "c"):
+        seq = trie.match([1, 1], namespace=namespace)
+        trie.allocate(seq, 2)
+        trie.commit(seq, 2)
+        trie.release(seq)
+    snap = trie.snapshot()
+    assert snap["roots"] == {"a": -1, "b": -2, "c": -3}
+    assert sorted(snap["nodes"]) == [-3, -2, -1, 1, 2, 3]
     trie.check()
 
 

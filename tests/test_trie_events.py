@@ -49,6 +49,19 @@ def test_block_hashes_chain_from_the_namespace_root() -> None:
     assert stored.extra_keys == (("tenant",), ("tenant",))
 
 
+def test_vllm_block_hashes_carry_the_namespace_as_the_lora_name_in_every_block() -> None:
+    """Under vLLM's scheme the namespace is each block's LoRA name: it is hashed
+    into every block's extra keys, not only into the root's seed."""
+    trie = kv_trie(num_blocks=8, block_hash="vllm")
+    serve(trie, [1, 2, 3, 4, 5, 6, 7, 8, 9], namespace="tenant")
+    (stored,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    hasher = BlockHasher("vllm")
+    first = hasher.chain(hasher.root("tenant"), (1, 2, 3, 4), None, "tenant")
+    second = hasher.chain(first, (5, 6, 7, 8), None, "tenant")
+    assert stored.block_hashes == (first, second)
+    assert first != hasher.chain(hasher.root("tenant"), (1, 2, 3, 4))  # no LoRA name
+
+
 def test_block_hashes_are_the_same_in_two_processes() -> None:
     code = (
         "from tests.helpers import kv_trie, serve\n"
