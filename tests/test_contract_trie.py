@@ -172,7 +172,7 @@ def test_operations_before_load_name_the_host_blocks_and_the_fix() -> None:
     trie.check()
 
 
-def test_after_a_failed_load_allocate_refuses_and_says_to_abort() -> None:
+def test_after_a_failed_load_allocate_and_commit_refuse_and_say_to_abort() -> None:
     copies = ManualCopies()
     trie = host_trie(copies=copies)
     trie.release(prefill(trie, A))
@@ -188,6 +188,9 @@ def test_after_a_failed_load_allocate_refuses_and_says_to_abort() -> None:
     message = f"allocate: the load of {seq!r}'s host-resident blocks failed; abort it"
     with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
         trie.allocate(seq, 7)
+    message = f"commit: the load of {seq!r}'s host-resident blocks failed; abort it"
+    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
+        trie.commit(seq, 6)
     assert trie.snapshot() == before
     trie.abort(seq)
     trie.check()
