@@ -810,6 +810,7 @@ def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() 
     seq = trie.match([1, 2, 3], namespace="fresh")
     trie.allocate(seq, 3)
     trie.commit(seq, 3)  # no full block: the namespace has no root yet
+    assert "fresh" not in trie.snapshot()["roots"]
     before, clock = trie.snapshot(), trie.clock
     with pytest.raises(CacheError, match="simulated save failure"):
         trie.save(seq, 2, state(1.0))
@@ -818,6 +819,23 @@ def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() 
     assert rollback(before, after) == [] and trie.clock == clock
     trie.release(seq)
     trie.check()
+
+
+def test_blocks_completed_by_appended_tokens_keep_the_requests_extra_identity() -> None:
+    """[R7]: a commit ticks the clock exactly once; the keys of blocks that tokens
+    appended after `match` completed carry the request's extra identity, so the
+    same extra hits them all and another extra hits none."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    seq = trie.match([1, 1], extra=["x", "y"])
+    trie.append(seq, [2, 2, 3])
+    trie.allocate(seq, 5)
+    clock = trie.clock
+    trie.commit(seq, 4)
+    assert trie.clock == clock + 1
+    trie.release(seq)
+    assert trie.match([1, 1, 2, 2, 9], extra=["x", "y"]).num_cached_tokens == 4
+    assert trie.match([1, 1, 2, 2, 9], extra=["x", "z"]).num_cached_tokens == 2
+    assert trie.match([1, 1, 2, 2, 9], extra=["x"]).num_cached_tokens == 2
 
 
 def test_namespace_roots_have_serials_no_node_has() -> None:

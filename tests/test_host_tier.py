@@ -408,6 +408,7 @@ def test_a_commit_before_poll_sees_a_failed_load_and_says_to_abort() -> None:
     copy = trie.load(seq)
     assert copy is not None
     trie.allocate(seq, len(LONGER))
+    trie.commit(seq, 6)  # no block past the hit: nothing read, nothing refused
     loading = f"commit: {seq!r} reads blocks that {copy!r} is loading"
     with pytest.raises(HostTierError, match=f"^{re.escape(loading)}; wait for it$"):
         trie.commit(seq, 8)
