@@ -49,6 +49,18 @@ def test_block_hashes_chain_from_the_namespace_root() -> None:
     assert stored.extra_keys == (("tenant",), ("tenant",))
 
 
+def test_a_blocks_extra_identity_is_hashed_into_its_own_block_only() -> None:
+    """[R5]: a block's extra identity (an image's hash, say) is part of its chained
+    hash; a block past the end of `extra` has none."""
+    trie = kv_trie(num_blocks=8)
+    serve(trie, [1, 2, 3, 4, 5, 6, 7, 8, 9], extra=["img0"])
+    (stored,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+    hasher = BlockHasher("xxh3")
+    first = hasher.chain(hasher.root(""), (1, 2, 3, 4), "img0")
+    assert stored.block_hashes == (first, hasher.chain(first, (5, 6, 7, 8)))
+    assert first != hasher.chain(hasher.root(""), (1, 2, 3, 4))
+
+
 def test_vllm_block_hashes_carry_the_namespace_as_the_lora_name_in_every_block() -> None:
     """Under vLLM's scheme the namespace is each block's LoRA name: it is hashed
     into every block's extra keys, not only into the root's seed."""
