@@ -152,8 +152,9 @@ def test_late_subscriber_catches_up_through_replay(ctx: Ctx) -> None:
 
 
 def test_replay_from_before_the_buffer_returns_what_is_kept(
-    ctx: Ctx,
+    ctx: Ctx, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="cache.kv_publisher")
     with KVEventPublisher(LOOP, replay_endpoint=LOOP, buffer_batches=5) as pub:
         for i in range(12):
             pub.publish(_batch(i))
@@ -171,6 +172,9 @@ def test_replay_from_before_the_buffer_returns_what_is_kept(
         assert dealer.recv_multipart()[1] == END_SEQ
         dealer.close(linger=0)
         assert _replay(ctx, pub.replay_endpoint, 12) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring malformed KV event replay request (3 frames)"  # identity, empty, b"bad"
+    ]
 
 
 def test_publish_without_subscriber_never_blocks() -> None:
@@ -224,7 +228,13 @@ def test_full_queue_drops_are_counted_and_logged(caplog: pytest.LogCaptureFixtur
     assert pub.dropped_batches == 7 and pub.dropped_events == 14
     assert pub.published_batches == 2  # close sent what was queued
     warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(warnings) == 3  # the 1st, 2nd and 4th drop: logged, not flooded
+    # The 1st, 2nd and 4th drop (batches 2, 3 and 5, two events each): logged, not
+    # flooded, each saying what a subscriber will see.
+    assert warnings == [
+        f"KV event queue full: dropped batch {seq} ({n} batches / {2 * n} events dropped "
+        "so far); subscribers will see a sequence gap"
+        for seq, n in ((2, 1), (3, 2), (5, 4))
+    ]
 
 
 def test_batches_keep_their_order_when_the_sender_is_busy(ctx: Ctx) -> None:
@@ -282,7 +292,7 @@ def test_close_is_clean_and_idempotent() -> None:
     assert pub.published_batches == 10  # close sends what was queued
     assert not pub._thread.is_alive()
     assert {t.ident for t in threading.enumerate()} <= before | {None}
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match=r"^KVEventPublisher is closed$"):
         pub.publish(_batch(0))
 
 
@@ -384,3 +394,21 @@ def test_a_replay_address_in_use_fails_the_constructor_and_closes_its_sockets(ct
     assert raised[0].errno == zmq.EADDRINUSE
     assert set(threading.enumerate()) <= before  # no sender thread was started
     taken.close(linger=0)
+
+
+class _Socket:
+    """What `KVEventPublisher._last_endpoint` reads of a socket."""
+
+    def __init__(self, last: object) -> None:
+        self.last = last
+
+    def getsockopt(self, option: int) -> object:
+        assert option == zmq.LAST_ENDPOINT
+        return self.last
+
+
+def test_the_bound_address_falls_back_to_the_one_given_when_zmq_reports_none() -> None:
+    read = KVEventPublisher._last_endpoint
+    assert read(_Socket(b"tcp://127.0.0.1:5999"), "tcp://127.0.0.1:*") == "tcp://127.0.0.1:5999"
+    assert read(_Socket(b""), "tcp://127.0.0.1:*") == "tcp://127.0.0.1:*"  # type: ignore[arg-type]
+    assert read(_Socket(None), "ipc://x") == "ipc://x"  # type: ignore[arg-type]
