@@ -40,7 +40,13 @@ from cache import (
     Sequence,
 )
 from cache.sequence import PinReceipt
-from spec.errors import CheckpointError, InvalidArgument, InvalidType, PinError
+from spec.errors import (
+    CheckpointError,
+    InvalidArgument,
+    InvalidType,
+    PinError,
+    SequenceNotLive,
+)
 from spec.invariants import rollback
 from spec.lifecycle import CopyTrigger, Residency
 from tests.helpers import empty_state, ssm_trie, state
@@ -836,6 +842,42 @@ def test_blocks_completed_by_appended_tokens_keep_the_requests_extra_identity() 
     assert trie.match([1, 1, 2, 2, 9], extra=["x", "y"]).num_cached_tokens == 4
     assert trie.match([1, 1, 2, 2, 9], extra=["x", "z"]).num_cached_tokens == 2
     assert trie.match([1, 1, 2, 2, 9], extra=["x"]).num_cached_tokens == 2
+
+
+def test_a_copied_sequence_is_refused_naming_it_a_copy() -> None:
+    """[R2]: liveness is the trie's registry, not a flag: a copy of a live sequence
+    is refused with a message saying why, and nothing changes."""
+    import copy
+
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    seq = trie.match([1, 1, 2])
+    twin = copy.copy(seq)
+    before = trie.snapshot()
+    message = (
+        f"{twin!r} is not live in this cache: not the object its match returned "
+        "(a copy, or built by hand)"
+    )
+    with pytest.raises(SequenceNotLive, match=f"^{re.escape(message)}$"):
+        trie.release(twin)
+    assert trie.snapshot() == before
+    trie.release(seq)
+    trie.check()
+
+
+def test_allocate_with_nothing_to_add_allocates_nothing_and_release_ticks_once() -> None:
+    """An allocate whose block table already covers the tokens reaches no allocation
+    point; a release ticks the clock exactly once."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    seq = trie.match([1, 1, 2])
+    trie.allocate(seq, 3)
+    trie.faults.reset()
+    trie.allocate(seq, 3)
+    trie.allocate(seq, 2)
+    assert trie.faults.points == []
+    clock = trie.clock
+    trie.release(seq)
+    assert trie.clock == clock + 1
+    trie.check()
 
 
 def test_namespace_roots_have_serials_no_node_has() -> None:

@@ -19,7 +19,7 @@ import zmq
 
 from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from cache.kv_events import encode_batch
-from cache.kv_publisher import END_SEQ, KVEventPublisher
+from cache.kv_publisher import END_SEQ, KVEventPublisher, _binds
 
 LOOP = "tcp://127.0.0.1:*"
 TIMEOUT_MS = 5_000
@@ -276,7 +276,9 @@ def test_a_failed_sender_thread_is_logged_and_publish_degrades_to_drops(
         pub._serve_replays = broken  # type: ignore[method-assign]
         pub._thread.join(5)
     assert not pub._thread.is_alive()
-    assert any("thread failed" in r.getMessage() for r in caplog.records)
+    (failed,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert failed.getMessage() == "KV event publisher thread failed"
+    assert failed.exc_info is not None and "replay socket broke" in str(failed.exc_info[1])
     assert [pub.publish(_batch(i)) for i in range(4)] == [True, True, False, False]
     assert pub.published_batches == 0 and pub.dropped_batches == 2
     pub.close()
@@ -311,6 +313,8 @@ def test_connect_mode_and_bad_arguments(ctx: Ctx) -> None:
         KVEventPublisher(LOOP, queue_batches=0)
     with pytest.raises(ValueError, match="buffer_batches"):
         KVEventPublisher(LOOP, buffer_batches=-1)
+    with pytest.raises(ValueError, match=r"^KVEventPublisher hwm must be a non-negative int: -1$"):
+        KVEventPublisher(LOOP, hwm=-1)
     with pytest.raises(TypeError):
         KVEventPublisher(LOOP).publish([object()])  # type: ignore[list-item]
     with pytest.raises(zmq.ZMQError):
@@ -412,3 +416,43 @@ def test_the_bound_address_falls_back_to_the_one_given_when_zmq_reports_none() -
     assert read(_Socket(b"tcp://127.0.0.1:5999"), "tcp://127.0.0.1:*") == "tcp://127.0.0.1:5999"
     assert read(_Socket(b""), "tcp://127.0.0.1:*") == "tcp://127.0.0.1:*"  # type: ignore[arg-type]
     assert read(_Socket(None), "ipc://x") == "ipc://x"  # type: ignore[arg-type]
+
+
+def test_wildcard_ipv6_ipc_and_inproc_addresses_bind_others_connect() -> None:
+    """vLLM's rule: an address with a wildcard (`*`, or IPv6's `::`), and any ipc or
+    inproc address, is bound; any other is connected to."""
+    for endpoint in ("tcp://*:5557", "tcp://[::]:5557", "ipc:///tmp/kv", "inproc://kv"):
+        assert _binds(endpoint), endpoint
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://router:5557"):
+        assert not _binds(endpoint), endpoint
+
+
+def test_the_documented_defaults() -> None:
+    """The issue's interface: `tcp://*:5557`, 10,000 batches kept for replay; and a
+    send high-water mark of 100,000 messages; the topic given is kept."""
+    try:
+        default = KVEventPublisher()
+    except zmq.ZMQError as exc:  # pragma: no cover - another program holds the port
+        if exc.errno != zmq.EADDRINUSE:
+            raise
+        pytest.skip("port 5557 is in use")
+    with default:
+        assert default.endpoint == "tcp://0.0.0.0:5557"  # `*` bound on every interface
+    with KVEventPublisher(LOOP, topic="kv") as pub:
+        assert pub.topic == "kv"
+        assert pub._buffer.maxlen == 10_000
+        assert pub._pub.getsockopt(zmq.SNDHWM) == 100_000
+
+
+def test_an_idle_publisher_sleeps() -> None:
+    """With nothing queued (and no replay socket to poll), the sender thread waits to
+    be woken: it burns no CPU while the engine has nothing to publish."""
+    with KVEventPublisher(LOOP) as pub:
+        with pub._socket_lock:  # as if the thread were sending: publish queues
+            assert pub.publish(_batch(0))
+            assert pub.queued_batches == 1
+        _wait_published(pub, 1)  # the thread woke, sent it, and has nothing left
+        time.sleep(0.05)
+        cpu = time.process_time()
+        time.sleep(0.5)
+        assert time.process_time() - cpu < 0.1
