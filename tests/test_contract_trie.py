@@ -880,6 +880,21 @@ def test_allocate_with_nothing_to_add_allocates_nothing_and_release_ticks_once()
     trie.check()
 
 
+def test_the_key_hash_hook_sees_every_full_block_match_looks_up() -> None:
+    """The `key_hash` testing hook replaces the hash of every block key, those
+    `match` builds included (a degenerate hook must make its lookups collide)."""
+    seen: list[object] = []
+
+    def key_hash(block: object) -> int:
+        seen.append(block)
+        return 0
+
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8, key_hash=key_hash))
+    seq = trie.match([1, 1, 2, 2, 3])
+    assert seen == [(1, 1), (2, 2)]
+    trie.release(seq)
+
+
 def test_namespace_roots_have_serials_no_node_has() -> None:
     """Each namespace root gets its own serial, apart from every node's (the
     snapshot and every index name nodes by serial): roots count down from -1,

@@ -440,6 +440,8 @@ def test_the_documented_defaults() -> None:
         assert default.endpoint == "tcp://0.0.0.0:5557"  # `*` bound on every interface
     with KVEventPublisher(LOOP, topic="kv") as pub:
         assert pub.topic == "kv"
+        # A named daemon thread: it shows in thread dumps, and never holds up exit.
+        assert pub._thread.name == "kv-event-publisher" and pub._thread.daemon is True
         assert pub._buffer.maxlen == 10_000
         assert pub._pub.getsockopt(zmq.SNDHWM) == 100_000
 
