@@ -49,7 +49,7 @@ from spec.errors import (
 )
 from spec.invariants import rollback
 from spec.lifecycle import CopyTrigger, Residency
-from tests.helpers import empty_state, ssm_trie, state
+from tests.helpers import empty_state, serve, ssm_trie, state
 
 B = 2
 A = [1, 1, 2, 2, 3, 3, 9]  # three full blocks and one token
@@ -893,6 +893,33 @@ def test_the_key_hash_hook_sees_every_full_block_match_looks_up() -> None:
     seq = trie.match([1, 1, 2, 2, 3])
     assert seen == [(1, 1), (2, 2)]
     trie.release(seq)
+
+
+def test_a_config_that_is_not_one_is_refused_naming_its_type() -> None:
+    with pytest.raises(InvalidType, match=r"^config must be a CacheConfig, got int$"):
+        BlockTrie(5)  # type: ignore[arg-type]
+
+
+def test_a_whole_cached_prompt_holds_only_the_blocks_of_its_hit() -> None:
+    """[R13]: a prompt cached to its last token still computes one token, so its hit
+    stops a block short, and the sequence holds only the blocks of that hit."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    serve(trie, [1, 1, 2, 2])
+    seq = trie.match([1, 1, 2, 2])
+    assert seq.num_cached_tokens == 2 and len(seq.block_ids) == 1
+    trie.release(seq)
+    trie.check()
+
+
+def test_every_checkpoint_hit_is_counted() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = _ssm_prefill(trie, SSM_PROMPT)
+    trie.save(seq, 4, state(1.0))
+    trie.release(seq)
+    for _ in range(2):
+        trie.release(trie.match(SSM_PROMPT))
+    assert trie.stats.checkpoint_hits == 2
+    trie.check()
 
 
 def test_namespace_roots_have_serials_no_node_has() -> None:

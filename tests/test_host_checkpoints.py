@@ -438,3 +438,25 @@ def test_the_snapshot_replays_host_checkpoint_slots_only_with_host_slots() -> No
     trie, _ = ssm_trie()
     checkpointed(trie, PROMPT, 4, 7.0)
     assert trie.snapshot()["event_host_checkpoint_slots"] == {the_checkpoint(trie, 4)["host_slot"]}
+
+
+def test_a_host_copy_is_announced_with_the_device_checkpoints_identity() -> None:
+    """[R53]: the host copy of a block-aligned checkpoint is announced as the device
+    one is (same hash, parent, tokens, extra keys), only its medium and slot differ:
+    a router keeps one entry per prefix whichever tier holds it. At block 1 the
+    anchor's parent is the root, so there is no parent hash."""
+    trie, _ = ssm_trie()
+    seq = trie.match(PROMPT, namespace="ns", extra=["img"])
+    trie.allocate(seq, len(PROMPT))
+    trie.commit(seq, len(PROMPT))
+    trie.save(seq, B, state(1.0))
+    trie.release(seq)
+    trie.poll()
+    group = [e for e in trie.drain_events() if isinstance(e, BlockStored) and e.group_idx]
+    device, host = group
+    assert (device.medium, host.medium) == (MEDIUM_GPU, MEDIUM_CPU)
+    assert host.parent_block_hash is None
+    assert host.extra_keys == device.extra_keys == (("ns", "img"),)
+    same = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "namespace")
+    assert [getattr(host, f) for f in same] == [getattr(device, f) for f in same]
+    trie.check()
