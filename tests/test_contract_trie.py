@@ -898,6 +898,26 @@ def test_the_key_hash_hook_sees_every_full_block_match_looks_up() -> None:
 def test_a_config_that_is_not_one_is_refused_naming_its_type() -> None:
     with pytest.raises(InvalidType, match=r"^config must be a CacheConfig, got int$"):
         BlockTrie(5)  # type: ignore[arg-type]
+    config = CacheConfig(block_size=B, num_blocks=2)
+    with pytest.raises(InvalidType, match=r"^copies must be a CopyEngine, got str$"):
+        BlockTrie(config, copies="manual")  # type: ignore[arg-type]
+
+
+def test_every_device_pool_lives_on_the_configured_device() -> None:
+    """The KV pool and the checkpoint slots are built on `config.device` (torch's
+    `meta` device here: the one a CPU-only host can tell from its default)."""
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=4,
+        kv_block_shape=(B,),
+        num_checkpoint_slots=2,
+        state_shapes={"s": (2,)},
+        device="meta",
+    )
+    trie = BlockTrie(config)
+    assert trie.device == torch.device("meta")
+    assert trie.kv_cache is not None and trie.kv_cache.device.type == "meta"
+    assert {states.device.type for states in trie.checkpoint_states.values()} == {"meta"}
 
 
 def test_a_whole_cached_prompt_holds_only_the_blocks_of_its_hit() -> None:
