@@ -443,6 +443,10 @@ def test_the_documented_defaults() -> None:
         # A named daemon thread: it shows in thread dumps, and never holds up exit.
         assert pub._thread.name == "kv-event-publisher" and pub._thread.daemon is True
         assert pub._buffer.maxlen == 10_000
+        with pub._socket_lock:  # as if the thread were busy: 10,000 batches may wait
+            assert all(pub.publish(_batch(i)) for i in range(10_000))
+            assert not pub.publish(_batch(10_000))
+        assert pub.dropped_batches == 1
         assert pub._pub.getsockopt(zmq.SNDHWM) == 100_000
 
 
