@@ -224,19 +224,24 @@ def test_a_commit_that_computes_a_host_only_block_stamps_it_with_the_commit_tick
 # ---------------------------------------------------------------- write-back ([R52])
 
 
-class _FailingStores(DeviceCopies):
-    """CPU copies; a store copy fails when queued."""
+class _FailsWhenQueued(DeviceCopies):
+    """CPU copies; a copy of `kind` fails when queued while `failing` is set."""
+
+    def __init__(self, kind: str, failing: bool = True) -> None:
+        super().__init__()
+        self.kind = kind
+        self.failing = failing
 
     def _start(self, copy: Copy) -> None:
-        if copy.kind == "store":
-            raise RuntimeError("simulated store failure")
+        if copy.kind == self.kind and self.failing:
+            raise RuntimeError(f"simulated {self.kind} failure")
         super()._start(copy)
 
 
 def test_a_write_back_store_that_fails_when_queued_leaves_the_leaves_on_the_device() -> None:
     """A failed write-back store is undone: its leaves are `device` leaves again,
     their host blocks free, and they can be evicted outright later."""
-    trie = host_trie(copies=_FailingStores(), host_write="back")
+    trie = host_trie(copies=_FailsWhenQueued("store"), host_write="back")
     trie.release(prefill(trie, A))
     assert trie.evict(3) == 0  # each round's store fails: nothing freed
     assert set(residency(trie).values()) == {Residency.DEVICE.value}
@@ -327,7 +332,7 @@ def test_a_checkpoint_store_that_fails_when_queued_leaves_it_on_the_device_unpin
     """[R53]: a checkpoint store is best effort; one that fails when queued is undone:
     the save stands, the checkpoint stays `device`, its host slot is free again and
     it holds no pin (it can be evicted)."""
-    trie = _ssm_host_trie(_FailingStores())
+    trie = _ssm_host_trie(_FailsWhenQueued("store"))
     seq = prefill(trie, [1, 2, 3, 4, 5])
     save = trie.save(seq, 4, {"s": torch.tensor([7.0, -7.0], dtype=torch.float64)})
     assert save is not None and save.done
@@ -564,19 +569,8 @@ def test_restore_of_a_frozen_tail_needs_exactly_one_free_block() -> None:
     trie.check()
 
 
-class _FailingRestores(DeviceCopies):
-    """CPU copies; a restore copy fails when queued while `failing` is set."""
-
-    failing = True
-
-    def _start(self, copy: Copy) -> None:
-        if copy.kind == "restore" and self.failing:
-            raise RuntimeError("simulated restore failure")
-        super()._start(copy)
-
-
 def test_a_restore_that_fails_when_queued_can_be_tried_again() -> None:
-    engine = _FailingRestores()
+    engine = _FailsWhenQueued("restore")
     trie, _ = ssm_trie(manual=False)
     trie = BlockTrie(trie.config, copies=engine)
     seq = _ssm_prefill(trie, SSM_PROMPT)
@@ -700,19 +694,8 @@ def test_commit_before_its_own_load_finishes_is_refused() -> None:
     trie.check()
 
 
-class _FailingLoads(DeviceCopies):
-    """CPU copies; a load copy fails when queued while `failing` is set."""
-
-    failing = True
-
-    def _start(self, copy: Copy) -> None:
-        if copy.kind == "load" and self.failing:
-            raise RuntimeError("simulated load failure")
-        super()._start(copy)
-
-
 def test_a_load_that_fails_when_queued_is_undone_and_can_be_tried_again() -> None:
-    engine = _FailingLoads()
+    engine = _FailsWhenQueued("load")
     trie = host_trie(copies=engine)
     trie.release(prefill(trie, A))
     assert trie.evict(2) == 2  # (2, 2) and (3, 3) host-only
@@ -800,19 +783,10 @@ def test_a_save_with_no_free_slot_evicts_exactly_one_checkpoint_and_ticks_once()
     trie.check()
 
 
-class _FailingSaves(DeviceCopies):
-    """CPU copies; a save copy fails when queued."""
-
-    def _start(self, copy: Copy) -> None:
-        if copy.kind == "save":
-            raise RuntimeError("simulated save failure")
-        super()._start(copy)
-
-
 def test_a_failed_save_anchored_at_a_new_namespace_root_leaves_no_root_behind() -> None:
     """[R6], [R11]: the root a save created for its namespace goes with the save."""
     trie, _ = ssm_trie(manual=False)
-    trie = BlockTrie(trie.config, copies=_FailingSaves())
+    trie = BlockTrie(trie.config, copies=_FailsWhenQueued("save"))
     seq = trie.match([1, 2, 3], namespace="fresh")
     trie.allocate(seq, 3)
     trie.commit(seq, 3)  # no full block: the namespace has no root yet
@@ -958,23 +932,12 @@ def test_namespace_roots_have_serials_no_node_has() -> None:
     trie.check()
 
 
-class _SavesFailWhenTold(DeviceCopies):
-    """CPU copies; save copies fail when queued once `fail_saves` is set."""
-
-    fail_saves = False
-
-    def _start(self, copy: Copy) -> None:
-        if copy.kind == "save" and self.fail_saves:
-            raise RuntimeError("simulated save failure")
-        super()._start(copy)
-
-
 def test_a_failed_save_that_replaced_a_checkpoint_counts_it_once_and_gives_its_tick_back() -> None:
     """[R38]: the checkpoint a failed save replaced is lost with its slot's data, so it
     adds one to `evicted_checkpoints` (on top of earlier evictions); the save's tick
     is given back, so the clock is where it was, not restarted."""
     config = ssm_trie(slots=2, manual=False)[0].config
-    engine = _SavesFailWhenTold()
+    engine = _FailsWhenQueued("save", failing=False)
     trie = BlockTrie(config, copies=engine)
     seq = _ssm_prefill(trie, SSM_PROMPT)
     trie.save(seq, 4, state(1.0))
@@ -983,7 +946,7 @@ def test_a_failed_save_that_replaced_a_checkpoint_counts_it_once_and_gives_its_t
     assert trie.stats.evicted_checkpoints == 1
     clock = trie.clock
     assert clock > 1
-    engine.fail_saves = True
+    engine.failing = True
     with pytest.raises(CacheError, match="simulated save failure"):
         trie.save(seq, 9, state(4.0))  # replaces the one at 8 (same anchor), then fails
     assert trie.stats.evicted_checkpoints == 2
@@ -1325,7 +1288,7 @@ def test_a_load_that_fails_when_queued_gives_back_the_shared_blocks_it_held() ->
     """A load of its own blocks that also reads blocks already loaded for another
     request takes a reference on those; if the copy fails when queued, those
     references are dropped with the rest: every count is as before."""
-    engine = _FailingLoads()
+    engine = _FailsWhenQueued("load")
     engine.failing = False
     trie = host_trie(copies=engine)
     trie.release(prefill(trie, A))
@@ -1393,7 +1356,7 @@ def test_a_write_back_store_still_running_after_the_wait_stays_queued() -> None:
 def test_a_restore_without_a_frozen_tail_that_fails_when_queued_takes_back_no_block() -> None:
     """A block-aligned restore takes no private block, so its undo gives none back:
     the request keeps its blocks, pin and counts, and can restore again."""
-    engine = _FailingRestores()
+    engine = _FailsWhenQueued("restore")
     trie, _ = ssm_trie(manual=False)
     trie = BlockTrie(trie.config, copies=engine)
     seq = _ssm_prefill(trie, SSM_PROMPT)
