@@ -724,6 +724,27 @@ def test_host_evicted_blocks_adds_up_across_calls() -> None:
     assert trie.stats.host_evicted_blocks == 2
 
 
+def test_a_prefix_on_the_device_matches_while_another_is_loading() -> None:
+    """[R50]: with a load in flight, `match` of a prefix wholly on the device (none
+    of it loading) is an ordinary device hit; it waits on nothing."""
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    trie.evict(10)  # A's blocks: host only
+    serve_manual(trie, copies, OTHER)  # on the device
+    loading = trie.match(A)
+    copy = trie.load(loading)
+    assert copy is not None and not copy.done
+    other = trie.match(OTHER)
+    assert other.num_cached_tokens == 8 and other.num_host_tokens == 0
+    assert trie.load(other) is None
+    copies.complete_all()
+    trie.poll()
+    trie.release(loading)
+    trie.release(other)
+    trie.check()
+
+
 def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
     """The guards for states that cannot arise say which invariant broke and where
     (they are reached here by corrupting the structure on purpose)."""
@@ -736,7 +757,7 @@ def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
     trie._host_pool.refs[leaf.host] += 1  # a reference nobody owns
     with pytest.raises(InvariantViolation, match=r"host conservation.*still held") as held:
         trie.evict_host(1)
-    assert repr(leaf) in str(held.value)
+    assert repr(leaf) in str(held.value) and held.value.invariant == "host conservation"
     trie2, _ = host_trie()
     serve(trie2, A)
     trie2.evict(3)
@@ -744,7 +765,7 @@ def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
     leaf2.parent = None  # an attached node without a parent
     with pytest.raises(InvariantViolation, match=r"topology.*has no parent") as orphan:
         trie2.evict_host(1)
-    assert repr(leaf2) in str(orphan.value)
+    assert repr(leaf2) in str(orphan.value) and orphan.value.invariant == "topology"
 
 
 def test_the_cascade_guard_names_a_device_block_below_a_device_leaf() -> None:
