@@ -159,6 +159,7 @@ def committed_with_its_store_pending(**kw: object) -> tuple[BlockTrie, ManualCop
     trie.release(seq)
     (store,) = copies.pending()
     assert store.kind == "store"
+    assert repr(store) == f"<Copy #{store.serial} store step=0 queued>"  # no token step
     return trie, copies, store
 
 
