@@ -725,6 +725,18 @@ def test_host_evicted_blocks_adds_up_across_calls() -> None:
     assert trie.stats.host_evicted_blocks == 2
 
 
+def test_a_store_one_block_short_evicts_one_host_leaf_for_it() -> None:
+    """[R47]: write-through with the host tier full and one block short evicts one LRU
+    host-only leaf, so the new block is stored."""
+    trie, _ = host_trie(host_blocks=2)
+    serve(trie, [1, 1, 2, 2, 9])
+    trie.evict(10)  # both blocks host-only; the host tier is full
+    assert residency(trie) == {(1, 1): "host", (2, 2): "host"}
+    serve(trie, [5, 5, 9])
+    assert residency(trie) == {(1, 1): "host", (5, 5): "mirrored"}
+    trie.check()
+
+
 def test_a_prefix_on_the_device_matches_while_another_is_loading() -> None:
     """[R50]: with a load in flight, `match` of a prefix wholly on the device (none
     of it loading) is an ordinary device hit; it waits on nothing."""
