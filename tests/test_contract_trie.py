@@ -80,6 +80,16 @@ def compute(trie: BlockTrie, seq: Sequence, tokens: list[int]) -> None:
         kv[seq.block_ids[i]] = torch.tensor(tokens[i * B : (i + 1) * B], dtype=torch.float64)
 
 
+def refused(
+    trie: BlockTrie, error: type[Exception], message: str, call: Callable[[], object]
+) -> None:
+    """`call()` raises `error` with exactly `message`, and the snapshot is unchanged."""
+    before = trie.snapshot()
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        call()
+    assert trie.snapshot() == before
+
+
 def prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
     """match, allocate, compute, commit every full block (no load: nothing on the host)."""
     seq = trie.match(tokens)
@@ -826,14 +836,11 @@ def test_a_copied_sequence_is_refused_naming_it_a_copy() -> None:
     trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
     seq = trie.match([1, 1, 2])
     twin = copy.copy(seq)
-    before = trie.snapshot()
     message = (
         f"{twin!r} is not live in this cache: not the object its match returned "
         "(a copy, or built by hand)"
     )
-    with pytest.raises(SequenceNotLive, match=f"^{re.escape(message)}$"):
-        trie.release(twin)
-    assert trie.snapshot() == before
+    refused(trie, SequenceNotLive, message, lambda: trie.release(twin))
     trie.release(seq)
     trie.check()
 
@@ -1156,14 +1163,11 @@ def test_load_refuses_while_another_requests_failed_load_of_a_shared_block_is_no
     c1 = trie.load(first)
     assert c1 is not None and second.loads == []
     copies.fail(c1)
-    before = trie.snapshot()
     message = (
         f"load: {c1!r}, loading a block {second!r} reads, "
         "failed; poll() and load again (it will be loaded anew)"
     )
-    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
-        trie.load(second)
-    assert trie.snapshot() == before
+    refused(trie, HostTierError, message, lambda: trie.load(second))
     assert second.block_ids == () and second.num_host_tokens == 6
     assert trie.poll() == 1  # reaped: `first` is cut, the blocks are host-only again
     assert set(residency(trie).values()) == {Residency.HOST.value}
@@ -1209,10 +1213,7 @@ def test_a_commit_refused_for_another_requests_load_keeps_the_requests_own_loads
 
 def _commit_refused(trie: BlockTrie, seq: Sequence, message: str) -> None:
     """`commit(seq, 6)` raises `HostTierError` with exactly `message`, changing nothing."""
-    before = trie.snapshot()
-    with pytest.raises(HostTierError, match=f"^{re.escape(message)}$"):
-        trie.commit(seq, 6)
-    assert trie.snapshot() == before
+    refused(trie, HostTierError, message, lambda: trie.commit(seq, 6))
 
 
 def test_commit_of_a_block_another_request_is_loading_waits_for_that_load() -> None:
