@@ -238,7 +238,10 @@ class ProcessEventPublisher:
                 raise ValueError(message)
         except BaseException:
             self._closed = True
-            _reap(self._proc, self._dir, self._ctx, self._frames, self._status)
+            if hasattr(self, "_finalizer"):  # the child was started: reap it once
+                self._finalizer()
+            else:
+                _reap(self._proc, self._dir, self._ctx, self._frames, self._status)
             raise
         self.endpoint: str = ready["endpoint"]
         self.replay_endpoint: str | None = ready["replay_endpoint"]
@@ -423,10 +426,12 @@ def _child(config: dict[str, Any]) -> int:
             elif os.getppid() != parent:  # the engine's process is gone
                 break
             # Report what was sent, by this loop or since by the publisher's thread.
-            if publisher.published_batches != reported:
-                reported = publisher.published_batches
+            # A report the full pipe refuses (nobody reads) is tried again later.
+            sent = publisher.published_batches
+            if sent != reported:
                 with contextlib.suppress(zmq.Again):
-                    status.send(json.dumps({"sent": reported}).encode(), zmq.NOBLOCK)
+                    status.send(json.dumps({"sent": sent}).encode(), zmq.NOBLOCK)
+                    reported = sent
     finally:
         publisher.close()
         with contextlib.suppress(zmq.Again):

@@ -97,6 +97,8 @@ def test_records_build_the_events_and_frames_carry_their_wire_bytes(
     seq, ts, decoded = decode_frame(encode_frame(drained, seq=7, ts=1.5))
     assert (seq, ts) == (7, 1.5)
     assert encode_batch(decoded, ts=1.5) == encode_batch(events, ts=1.5)
+    if scheme == "xxh3":  # 64-bit hashes travel whole: the events themselves come back
+        assert decoded == events  # block ids and namespaces too, which the wire lacks
 
 
 def test_frames_carry_host_tier_and_checkpoint_events() -> None:
@@ -128,6 +130,7 @@ def test_frames_carry_host_tier_and_checkpoint_events() -> None:
     assert {e.medium for e in records.events()} == {"GPU", "CPU"}
     _, _, decoded = decode_frame(encode_frame(records, seq=0, ts=0.0))
     assert encode_batch(decoded, ts=0.0) == encode_batch(records.events(), ts=0.0)
+    assert decoded == records.events()
     trie.check()
 
 
@@ -220,13 +223,15 @@ def test_an_empty_batch_is_not_sent_and_bad_batches_are_refused(
     trie = BlockTrie(_config())
     assert publisher.publish(trie.drain_event_records())  # nothing to drain
     assert publisher.publish([])
-    with pytest.raises(TypeError, match="EventRecords or a list of events"):
+    with pytest.raises(TypeError, match=r"EventRecords or a list of events, got str$"):
         publisher.publish("events")  # type: ignore[arg-type]
     assert publisher.wait_published(0)
     assert publisher.poll_status() == 0
 
 
-def test_a_stalled_encoder_drops_and_counts_never_blocking() -> None:
+def test_a_stalled_encoder_drops_and_counts_never_blocking(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
     try:
         assert pub._proc is not None
@@ -234,19 +239,60 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking() -> None:
         trie = BlockTrie(_config(num_blocks=400))
         results = []
         t0 = time.monotonic()
-        for r in range(200):
-            _run(trie, [([r, r + 1, r + 2], "", None, "keep")])
-            results.append(pub.publish(trie.drain_event_records()))
+        with caplog.at_level("WARNING", logger="cache.kv_publisher_process"):
+            for r in range(200):
+                _run(trie, [([r, r + 1, r + 2], "", None, "keep")])
+                results.append(pub.publish(trie.drain_event_records()))
         assert time.monotonic() - t0 < 30
         assert not all(results)
         assert pub.dropped_batches == results.count(False)
         assert pub.dropped_events == pub.dropped_batches  # one BlockStored per batch
+        first = results.index(False)
+        assert (
+            f"KV event encoder process is behind: dropped batch {first} (1 batches / 1 events "
+            "dropped so far); subscribers will see a sequence gap"
+        ) in caplog.text
         pub._proc.send_signal(signal.SIGCONT)
     finally:
         pub.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match=r"^ProcessEventPublisher is closed$"):
         pub.publish([])
     pub.close()  # idempotent
+
+
+def test_batches_the_engine_side_dropped_are_a_gap_subscribers_see() -> None:
+    """The engine side numbers every batch, sent or dropped; the child publishes each
+    frame under the engine's number, so a subscriber sees the drops as a gap."""
+    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
+    ctx, sub = _subscriber(pub.endpoint)
+    try:
+        assert pub._proc is not None
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):  # PUB drops until the subscription has arrived
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            pub.publish([AllBlocksCleared()])
+        pub._proc.send_signal(signal.SIGSTOP)
+        results = [pub.publish([AllBlocksCleared()]) for _ in range(5_000)]
+        assert not all(results)
+        pub._proc.send_signal(signal.SIGCONT)
+        while True:  # until the child has room again
+            assert time.monotonic() < deadline + 10, "the child never caught up"
+            last = pub._next_seq
+            if pub.publish([AllBlocksCleared(), AllBlocksCleared()]):
+                break
+            time.sleep(0.01)
+        seqs = []
+        while True:
+            _topic, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            if len(msgspec.msgpack.decode(payload)[1]) == 2:
+                break
+        assert seqs[-1] == last
+        assert seqs == sorted(seqs) and len(seqs) < seqs[-1] - seqs[0] + 1  # a gap
+    finally:
+        pub.close()
+        sub.close(linger=0)
+        ctx.term()
 
 
 def test_a_dead_encoder_drops_and_logs_an_error(caplog: pytest.LogCaptureFixture) -> None:
@@ -259,7 +305,23 @@ def test_a_dead_encoder_drops_and_logs_an_error(caplog: pytest.LogCaptureFixture
         with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
             assert not pub.publish(trie.drain_event_records())
         assert (pub.dropped_batches, pub.dropped_events) == (1, 1)
-        assert "encoder process exited" in caplog.text
+        assert f"KV event encoder process exited ({-signal.SIGKILL}): dropped batch 0" in (
+            caplog.text
+        )
+        sent: list[bytes] = []
+        frames = pub._frames
+
+        class _Recording:  # close() must not wait to hand a STOP to a dead child
+            def send(self, frame: bytes, *args: Any, **kwargs: Any) -> None:
+                sent.append(frame)
+                frames.send(frame, *args, **kwargs)
+
+            def setsockopt(self, *args: Any) -> None:
+                frames.setsockopt(*args)
+
+        pub._frames = _Recording()  # type: ignore[assignment]
+        pub.close()
+        assert sent == []
 
 
 def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
@@ -269,8 +331,31 @@ def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
             ProcessEventPublisher(f"tcp://*:{port}")
     with pytest.raises(ValueError, match="buffer_batches"):
         ProcessEventPublisher("tcp://127.0.0.1:*", buffer_batches=-1)
-    with pytest.raises(ValueError, match="queue_batches"):
-        ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=0)
+    for bad in (0, "3", 2.0):
+        with pytest.raises(ValueError, match=f"queue_batches must be a positive int: {bad!r}$"):
+            ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=bad)  # type: ignore[arg-type]
+
+
+def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A child that is behind (its queue full) still gets the STOP once it catches up
+    within `timeout`, and exits by itself: nothing logged, nothing killed."""
+    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
+    proc = pub._proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    for _ in range(100_000):
+        if not pub.publish([AllBlocksCleared()]):
+            break
+    assert pub.dropped_batches == 1  # the queue is full
+    resume = threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,))
+    resume.start()
+    with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
+        pub.close(timeout=20.0)
+    resume.join()
+    assert proc.returncode == 0
+    assert [r.message for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 # ------------------------------------------------- the child's loop, in this process
@@ -697,3 +782,59 @@ def test_wait_published_gives_up_at_its_timeout_and_when_the_child_is_gone() -> 
         t0 = time.monotonic()
         assert pub.wait_published(2, timeout=60.0) is False  # gone: not waited for
         assert time.monotonic() - t0 < 10
+
+
+def test_reports_nobody_reads_never_block_the_child_and_the_last_is_sent_later(
+    start_child: Callable[..., _Child],
+) -> None:
+    """An engine that publishes for hours and never polls fills the status pipe: the
+    child drops the reports it cannot send (it neither blocks nor raises), and once
+    the engine reads again it reports the count it could not send (else
+    `wait_published` would wait for a report that never comes)."""
+    child = start_child()
+    endpoint = child.report()["endpoint"]
+    ctx: Ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, WAIT_MS)
+    sub.setsockopt(zmq.LINGER, 0)
+    try:
+        sub.connect(endpoint)
+        first = _join(child, sub)
+        last = first + 40_000  # far more reports than the pipe holds
+        for seq in range(first, last):
+            child.send(encode_frame([AllBlocksCleared()], seq=seq, ts=0.0))
+        while int.from_bytes(sub.recv_multipart()[1], "big") != last - 1:
+            pass
+        time.sleep(0.3)  # the child tries to report the last batch into the full pipe
+        counts = child.sent_reports_until(last)
+        assert len(counts) < last - first  # reports were dropped
+        assert counts[-1] == last
+        child.send(STOP)
+        assert child.exit_code() == 0
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_the_child_builds_its_publisher_with_the_engines_settings(
+    start_child: Callable[..., _Child], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[KVEventPublisher] = []
+
+    class Recording(KVEventPublisher):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("cache.kv_publisher.KVEventPublisher", Recording)
+    child = start_child(
+        topic="kv", buffer_batches=9, data_parallel_rank=2, queue_batches=7, legacy=True, hwm=123
+    )
+    assert set(child.report()) == {"endpoint", "replay_endpoint"}
+    (publisher,) = made
+    assert (publisher.topic, publisher.data_parallel_rank, publisher.legacy) == ("kv", 2, True)
+    assert (publisher._buffer.maxlen, publisher._queue_batches) == (9, 7)
+    assert publisher._pub.getsockopt(zmq.SNDHWM) == 123
+    child.send(STOP)
+    assert child.exit_code() == 0
