@@ -337,11 +337,14 @@ def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
 
 
 def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A child that is behind (its queue full) still gets the STOP once it catches up
-    within `timeout`, and exits by itself: nothing logged, nothing killed."""
+    within `timeout`, and exits by itself: nothing logged, nothing killed, and the
+    sockets' directory removed."""
+    dirs = _record_dirs(monkeypatch)
     pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
+    assert len(dirs) == 1 and os.path.isdir(dirs[0])
     proc = pub._proc
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)
@@ -356,6 +359,7 @@ def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
     resume.join()
     assert proc.returncode == 0
     assert [r.message for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert not os.path.exists(dirs[0])
 
 
 # ------------------------------------------------- the child's loop, in this process
