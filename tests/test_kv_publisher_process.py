@@ -327,7 +327,9 @@ def test_a_dead_encoder_drops_and_logs_an_error(caplog: pytest.LogCaptureFixture
 def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
     with zmq.Context() as ctx, ctx.socket(zmq.PUB) as taken:
         port = taken.bind_to_random_port("tcp://127.0.0.1")
-        with pytest.raises(zmq.ZMQError, match="Address already in use") as refused:
+        with pytest.raises(
+            zmq.ZMQError, match=r"^ProcessEventPublisher: Address already in use"
+        ) as refused:
             ProcessEventPublisher(f"tcp://*:{port}")
         assert refused.value.errno == zmq.EADDRINUSE
     with pytest.raises(ValueError, match="buffer_batches"):
