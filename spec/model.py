@@ -39,6 +39,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from spec.errors import (
+    AllocationFailed,
     CheckpointError,
     ConfigError,
     CopyFailed,
@@ -355,6 +356,10 @@ class ReferenceCache:
         self._copies: list[ModelCopy] = []  # unreaped copies, oldest first
         self._receipts: list[ModelReceipt] = []  # outstanding explicit receipts
         self._stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
+        self.fail_next_block_take = False
+        """Fault injection, as the cache's `faults.arm()` on a KV take: the next time
+        blocks are taken (after make-room, [R17]), raise `AllocationFailed` instead;
+        the make-room evictions stay done ([R6]). Cleared when it fires."""
 
     # ------------------------------------------------------------------ derived facts
 
@@ -705,6 +710,9 @@ class ReferenceCache:
         free = len(self._free_block_list())
         if free < need:
             self._make_room(need - free)
+        if self.fail_next_block_take:  # [R6]: injected at the take, after make-room
+            self.fail_next_block_take = False
+            raise AllocationFailed(f"injected allocation failure taking {need} blocks")
         blocks = self._free_block_list()[:need]
         if len(blocks) < need:  # [R52]: freed only when the write-back stores finish
             raise OutOfBlocks(f"need {need} blocks; the rest wait for write-back stores")
@@ -1257,6 +1265,21 @@ class ReferenceCache:
             return
         self._complete(copy)
 
+    def complete_failing(self, copy: ModelCopy) -> None:
+        """`complete(copy)` where the copy's own data movement raises ([R46]): the
+        earlier copies it waits for complete first ([R36]), then it fails as
+        `fail` says. (The cache raises the copy's error; the model raises nothing.)"""
+        if not isinstance(copy, ModelCopy):
+            raise InvalidType(f"complete: expected a copy, got {type(copy).__name__}")
+        if copy._owner is not self:
+            raise InvalidArgument("complete: the copy belongs to another cache")
+        if copy.failed:
+            raise CopyFailed(f"complete: copy #{copy._id} failed")
+        if copy.done:
+            return
+        self._complete_earlier(copy)
+        self._fail(copy)
+
     def fail(self, copy: ModelCopy) -> None:
         """[R46]: the copy never delivers; a save's checkpoint is withdrawn and the
         pending restores that read it fail too."""
@@ -1289,13 +1312,16 @@ class ReferenceCache:
                     other.failed = True
 
     def _complete(self, copy: ModelCopy) -> None:
-        # [R36]: earlier pending copies sharing a resource complete first.
+        self._complete_earlier(copy)
+        copy.done = True
+
+    def _complete_earlier(self, copy: ModelCopy) -> None:
+        """[R36]: earlier pending copies sharing a resource with `copy` complete first."""
         for earlier in self._copies:
             if earlier is copy:
                 break
             if not earlier.done and not earlier.failed and earlier._touches & copy._touches:
                 self._complete(earlier)
-        copy.done = True
 
     def complete_all(self) -> None:
         for cp in self.pending():

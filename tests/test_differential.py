@@ -42,6 +42,7 @@ from hypothesis.stateful import (
 
 from cache import BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
 from spec import invariants
+from spec.errors import AllocationFailed, CopyFailed
 from spec.lifecycle import CopyState, ReceiptState
 from spec.model import ReferenceCache
 from spec.snapshot import observe
@@ -147,11 +148,15 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
 
-    def both(self, real: Callable[[], T], model: Callable[[], Any]) -> tuple[T, Any] | None:
+    def both(
+        self, real: Callable[[], T], model: Callable[[], Any], *, evictions_stay: bool = False
+    ) -> tuple[T, Any] | None:
         """Run the operation on both; same error class, or both succeed.
 
         Returns None when both raised. A raising operation must not change
-        what the cache's observable state was.
+        what the cache's observable state was; with `evictions_stay`, one that
+        failed at an allocation point may leave its make-room evictions done
+        ([R6]), which the model makes too (the comparison after each step checks them).
         """
         before = observe(self.cache.snapshot())
         real_error: Exception | None = None
@@ -171,7 +176,9 @@ class CacheVersusModel(RuleBasedStateMachine):
         )
         if real_error is not None:
             assert not isinstance(real_error, AssertionError)
-            if "write-back stores in flight" not in str(real_error):  # [R52]'s one exception
+            if "write-back stores in flight" in str(real_error):  # [R52]'s one exception
+                return None
+            if not (evictions_stay and isinstance(real_error, AllocationFailed)):
                 assert observe(self.cache.snapshot()) == before, f"{real_error!r} changed state"
             return None
         return real_result, model_result
@@ -435,6 +442,57 @@ class CacheVersusModel(RuleBasedStateMachine):
         self.both(lambda: self.manual.fail(copy.real), lambda: self.model.fail(copy.model))
         assert copy.real.state == copy.model.state
         self._check_restored_data()
+
+    @rule(copy=consumes(copies), interrupt=st.booleans())
+    def a_copy_raises_while_it_runs(self, copy: Pair, interrupt: bool) -> None:
+        """`complete` of a copy whose data movement raises (a CUDA error, or Ctrl-C in
+        the middle): the error propagates, the copy is failed ([R46]) and nothing
+        half-done is published; the model completes what it waited for, then fails it."""
+        error: BaseException = (
+            KeyboardInterrupt() if interrupt else RuntimeError("CUDA error: injected")
+        )
+        runs = not copy.model.done and not copy.model.failed
+        raised: BaseException | None = None
+        original = Copy.run
+
+        def run(self_: Copy) -> None:
+            if self_ is copy.real:
+                raise error
+            original(self_)
+
+        Copy.run = run  # type: ignore[method-assign,assignment]
+        try:
+            self.manual.complete(copy.real)
+        except BaseException as exc:  # the injected error, or CopyFailed
+            raised = exc
+        finally:
+            Copy.run = original  # type: ignore[method-assign]
+        try:
+            self.model.complete_failing(copy.model)
+        except CopyFailed:
+            assert isinstance(raised, CopyFailed)
+        else:
+            assert raised is (error if runs else None)
+        assert copy.real.state == copy.model.state
+        self._check_restored_data()
+
+    @precondition(lambda self: not self.host)  # make-room then takes no host blocks
+    @rule(seq=live, fraction=FRACTION, overshoot=st.integers(0, 1))
+    def allocate_failing_at_its_take(self, seq: Pair, fraction: float, overshoot: int) -> None:
+        """The pool take fails (an injected `AllocationFailed`): nothing changes but the
+        make-room evictions before it, which stay done in both ([R6])."""
+        n = int(len(seq.real.tokens) * fraction) + overshoot
+        self.cache.faults.arm(0)
+        self.model.fail_next_block_take = True
+        try:
+            self.both(
+                lambda: self.cache.allocate(seq.real, n),
+                lambda: self.model.allocate(seq.model, n),
+                evictions_stay=True,
+            )
+        finally:
+            self.cache.faults.disarm()
+            self.model.fail_next_block_take = False
 
     @rule()
     def complete_all(self) -> None:
