@@ -248,10 +248,10 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking(
         assert pub.dropped_batches == results.count(False)
         assert pub.dropped_events == pub.dropped_batches  # one BlockStored per batch
         first = results.index(False)
-        assert (
+        assert caplog.records[0].getMessage() == (
             f"KV event encoder process is behind: dropped batch {first} (1 batches / 1 events "
             "dropped so far); subscribers will see a sequence gap"
-        ) in caplog.text
+        )
         pub._proc.send_signal(signal.SIGCONT)
     finally:
         pub.close()
@@ -305,9 +305,10 @@ def test_a_dead_encoder_drops_and_logs_an_error(caplog: pytest.LogCaptureFixture
         with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
             assert not pub.publish(trie.drain_event_records())
         assert (pub.dropped_batches, pub.dropped_events) == (1, 1)
-        assert f"KV event encoder process exited ({-signal.SIGKILL}): dropped batch 0" in (
-            caplog.text
-        )
+        assert [r.getMessage() for r in caplog.records] == [
+            f"KV event encoder process exited ({-signal.SIGKILL}): dropped batch 0 (1 batches "
+            "/ 1 events dropped so far)"
+        ]
         sent: list[bytes] = []
         frames = pub._frames
 
@@ -738,6 +739,16 @@ def test_a_child_that_exits_before_reporting_fails_the_constructor_at_once(
     assert len(dirs) == 1 and not os.path.exists(dirs[0])
 
 
+def test_a_child_that_cannot_be_started_fails_the_constructor_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    dirs = _record_dirs(monkeypatch)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    with pytest.raises(FileNotFoundError):
+        ProcessEventPublisher(LOOP)
+    assert len(dirs) == 1 and not os.path.exists(dirs[0])
+
+
 def test_a_child_that_never_reports_times_out_and_is_terminated(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -760,10 +771,15 @@ def test_a_child_that_never_reports_times_out_and_is_terminated(
 def test_a_child_that_does_not_stop_on_close_is_logged_then_killed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pub = ProcessEventPublisher(LOOP)
+    pub = ProcessEventPublisher(LOOP, queue_batches=1)
     proc = pub._proc
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)  # takes no stop frame, and holds SIGTERM pending
+    refused = 0
+    while refused < 50:  # and its queue is full, the socket's buffers too: no room
+        refused = 0 if pub.publish([AllBlocksCleared()]) else refused + 1
+        time.sleep(0.001)
+    caplog.clear()
     t0 = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="cache.kv_publisher_process"):
         pub.close(timeout=0.3)
@@ -843,5 +859,17 @@ def test_the_child_builds_its_publisher_with_the_engines_settings(
     assert (publisher.topic, publisher.data_parallel_rank, publisher.legacy) == ("kv", 2, True)
     assert (publisher._buffer.maxlen, publisher._queue_batches) == (9, 7)
     assert publisher._pub.getsockopt(zmq.SNDHWM) == 123
+    child.send(STOP)
+    assert child.exit_code() == 0
+
+
+def test_a_child_stopped_while_nobody_reads_its_reports_still_exits_cleanly(
+    start_child: Callable[..., _Child],
+) -> None:
+    """Its last report does not fit in the full status pipe: dropped, never waited for."""
+    child = start_child()
+    assert set(child.report()) == {"endpoint", "replay_endpoint"}
+    for seq in range(40_000):
+        child.send(encode_frame([AllBlocksCleared()], seq=seq, ts=0.0))
     child.send(STOP)
     assert child.exit_code() == 0
