@@ -12,6 +12,7 @@ bytes over ZMQ in order, numbered, never blocking, counting what it drops.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -737,6 +738,30 @@ def test_a_child_that_exits_before_reporting_fails_the_constructor_at_once(
         ProcessEventPublisher(LOOP, start_timeout=30.0)
     assert time.monotonic() - t0 < 10  # seen exiting, not waited for
     assert len(dirs) == 1 and not os.path.exists(dirs[0])
+
+
+def test_a_failed_constructor_reaps_its_child_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its finalizer does the reaping, so collecting the half-built publisher later
+    reaps nothing twice."""
+    import cache.kv_publisher_process as module
+
+    reaped: list[object] = []
+    reap = module._reap
+
+    def counting(proc: Any, *args: Any) -> None:
+        reaped.append(proc)
+        reap(proc, *args)
+
+    false = shutil.which("false")
+    assert false is not None
+    monkeypatch.setattr(module, "_reap", counting)
+    monkeypatch.setattr(sys, "executable", false)  # a "child" that exits with 1
+    try:
+        ProcessEventPublisher(LOOP, start_timeout=30.0)
+    except RuntimeError:
+        pass
+    gc.collect()
+    assert len(reaped) == 1 and reaped[0] is not None
 
 
 def test_a_child_that_cannot_be_started_fails_the_constructor_and_leaves_nothing(
