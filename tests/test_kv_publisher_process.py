@@ -135,6 +135,20 @@ def test_frames_carry_host_tier_and_checkpoint_events() -> None:
     trie.check()
 
 
+def test_a_one_token_block_with_an_extra_identity_is_built_by_the_engine() -> None:
+    """Keys that are not plain bytes (here an extra identity) are built into the event
+    in the engine's process, even where their size could pass for packed tokens (one
+    block of one token: 4 bytes)."""
+    ops: list[tuple[list[int], str, Any, str]] = [([7], "", ["img"], "keep")]
+    a, b = BlockTrie(_config(block_size=1)), BlockTrie(_config(block_size=1))
+    _run(a, ops)
+    _run(b, ops)
+    events = a.drain_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored"]
+    _, _, decoded = decode_frame(encode_frame(b.drain_event_records(), seq=0, ts=0.0))
+    assert decoded == events
+
+
 def test_vllm_digests_travel_as_their_low_64_bits() -> None:
     """Deterministic (the property test above reaches this only on some draws): a
     frame of 256-bit digests carries each hash, and a child commit's parent hash, cut
