@@ -1255,30 +1255,27 @@ class ReferenceCache:
         return [cp for cp in self._copies if not cp.done and not cp.failed]
 
     def complete(self, copy: ModelCopy) -> None:
-        if not isinstance(copy, ModelCopy):
-            raise InvalidType(f"complete: expected a copy, got {type(copy).__name__}")
-        if copy._owner is not self:
-            raise InvalidArgument("complete: the copy belongs to another cache")
-        if copy.failed:
-            raise CopyFailed(f"complete: copy #{copy._id} failed")
-        if copy.done:
-            return
-        self._complete(copy)
+        if self._to_complete(copy):
+            self._complete(copy)
 
     def complete_failing(self, copy: ModelCopy) -> None:
         """`complete(copy)` where the copy's own data movement raises ([R46]): the
         earlier copies it waits for complete first ([R36]), then it fails as
         `fail` says. (The cache raises the copy's error; the model raises nothing.)"""
+        if self._to_complete(copy):
+            self._complete_earlier(copy)
+            self._fail(copy)
+
+    def _to_complete(self, copy: ModelCopy) -> bool:
+        """Whether `complete(copy)` has work to do: False for a finished copy; raises
+        for a non-copy, another cache's copy, or a failed one ([R46])."""
         if not isinstance(copy, ModelCopy):
             raise InvalidType(f"complete: expected a copy, got {type(copy).__name__}")
         if copy._owner is not self:
             raise InvalidArgument("complete: the copy belongs to another cache")
         if copy.failed:
             raise CopyFailed(f"complete: copy #{copy._id} failed")
-        if copy.done:
-            return
-        self._complete_earlier(copy)
-        self._fail(copy)
+        return not copy.done
 
     def fail(self, copy: ModelCopy) -> None:
         """[R46]: the copy never delivers; a save's checkpoint is withdrawn and the

@@ -509,6 +509,15 @@ def start_child(ipc_dir: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Calla
         child.close()
 
 
+def _sub_socket(ctx: Ctx) -> zmq.Socket[bytes]:
+    """A SUB socket for every topic, that waits up to `WAIT_MS` and lingers not."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, WAIT_MS)
+    sub.setsockopt(zmq.LINGER, 0)
+    return sub
+
+
 def _join(child: _Child, sub: zmq.Socket[bytes]) -> int:
     """Send probe frames (an `AllBlocksCleared` batch each, numbered 0, 1, ...) until
     `sub` receives one (PUB drops until the subscription has arrived), then take the
@@ -565,10 +574,7 @@ def test_the_child_publishes_each_frame_with_its_number_and_in_process_bytes(
     assert set(ready) == {"endpoint", "replay_endpoint"}
     assert TCP.fullmatch(ready["endpoint"]) and ready["replay_endpoint"] is None
     ctx: Ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVTIMEO, WAIT_MS)
-    sub.setsockopt(zmq.LINGER, 0)
+    sub = _sub_socket(ctx)
     try:
         sub.connect(ready["endpoint"])
         first = _join(child, sub)
@@ -854,10 +860,7 @@ def test_reports_nobody_reads_never_block_the_child_and_the_last_is_sent_later(
     child = start_child()
     endpoint = child.report()["endpoint"]
     ctx: Ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVTIMEO, WAIT_MS)
-    sub.setsockopt(zmq.LINGER, 0)
+    sub = _sub_socket(ctx)
     try:
         sub.connect(endpoint)
         first = _join(child, sub)
