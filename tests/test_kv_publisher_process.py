@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import os
@@ -267,6 +268,9 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking(
             f"KV event encoder process is behind: dropped batch {first} (1 batches / 1 events "
             "dropped so far); subscribers will see a sequence gap"
         )
+        logged = [int(r.getMessage().split("(")[1].split()[0]) for r in caplog.records]
+        assert logged == [2**k for k in range(len(logged))]  # the 1st, 2nd, 4th, ... drop
+        assert logged[-1] <= pub.dropped_batches < 2 * logged[-1]
         pub._proc.send_signal(signal.SIGCONT)
     finally:
         pub.close()
@@ -355,6 +359,31 @@ def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
             ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=bad)  # type: ignore[arg-type]
 
 
+def test_it_takes_kv_event_publishers_arguments_with_the_same_defaults() -> None:
+    ours = inspect.signature(ProcessEventPublisher).parameters
+    theirs = inspect.signature(KVEventPublisher).parameters
+    for name, parameter in theirs.items():
+        assert ours[name].default == parameter.default, name
+        assert ours[name].kind == parameter.kind, name
+    assert set(ours) - set(theirs) == {"start_timeout"}
+
+
+def test_the_child_is_given_kv_event_publishers_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the constructor hands the child when called with no arguments (a child that
+    exits at once, so nothing binds 5557)."""
+    children = _record_children(monkeypatch)
+    false = shutil.which("false")
+    assert false is not None
+    monkeypatch.setattr(sys, "executable", false)
+    with pytest.raises(RuntimeError, match="exited"):
+        ProcessEventPublisher()
+    config = json.loads(children[0].args[-1])
+    for name, parameter in inspect.signature(KVEventPublisher).parameters.items():
+        assert config[name] == parameter.default, name
+
+
 def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,10 +396,10 @@ def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
     proc = pub._proc
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)
-    for _ in range(100_000):
-        if not pub.publish([AllBlocksCleared()]):
-            break
-    assert pub.dropped_batches == 1  # the queue is full
+    refused = 0
+    while refused < 50:  # its queue is full, the socket's buffers too: no room
+        refused = 0 if pub.publish([AllBlocksCleared()]) else refused + 1
+        time.sleep(0.001)
     resume = threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,))
     resume.start()
     with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
