@@ -45,6 +45,11 @@ from cache.kv_publisher_process import ProcessEventPublisher, _child, decode_fra
 
 BIG = 1 << 40
 
+# A test here that hangs (a socket left open makes `zmq.Context.term` wait for it
+# forever) ends the run with every thread's stack after 60 s, not at CI's limit,
+# and counts as a failure: each test takes a few seconds at most.
+pytestmark = pytest.mark.timeout(60, method="thread")
+
 
 def _config(**kw: Any) -> CacheConfig:
     base: dict[str, Any] = {
