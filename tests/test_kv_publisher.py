@@ -25,6 +25,11 @@ LOOP = "tcp://127.0.0.1:*"
 TIMEOUT_MS = 5_000
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
+# A hang here (a sender thread that never ends, a socket left open so that
+# `zmq.Context.term` waits forever) uses no CPU, so only a wall-clock limit
+# catches it: 60 s per test, against well under a second each.
+pytestmark = pytest.mark.timeout(60, method="thread")
+
 
 def _batch(i: int) -> list[Event]:
     return [BlockStored((i,), (i,), None, (i, i), 2, ""), BlockRemoved((i,), (i,), "")]
