@@ -6,14 +6,17 @@ yields exactly the cached block set") can be checked at any time. When events
 are disabled every `emit_*` is a no-op and nothing accumulates.
 
 A commit's `BlockStored` (the hot one: one per commit that attaches blocks) is
-recorded as what the commit already holds, a *stored run* (`StoredRun`: the
-parent's hash, the new nodes, their keys and block ids), and built only when
-read: `drain` builds every event, as it always returned them; `drain_records`
-hands the records over unbuilt (`EventRecords`), for a publisher that encodes
-in another process (`cache.kv_publisher_process`). Everything a run is built
-from is fixed when it is recorded (a node's hash, key and namespace never
-change; the parent's hash and the block ids are copied), so a run builds the
-same event whenever it is read.
+recorded as a *stored run* (`StoredRun`: the parent's hash, the new blocks'
+hashes, their token ids as one packed `bytes`, their block ids, the block size
+and the namespace), read off the new nodes while the commit still has them in
+hand, and built only when read: `drain` builds every event, as it always
+returned them; `drain_records` hands the records over unbuilt
+(`EventRecords`), for a publisher that encodes them straight to the wire
+(`cache.kv_events.encode_batch`, `cache.kv_publisher`) or in another process
+(`cache.kv_publisher_process`). A run holds only values (no node), so it
+builds the same event whenever it is read. Blocks whose keys are not plain
+uint32 blocks (an extra identity, an injected key hash, 64-bit ids) are
+recorded as their built `BlockStored` instead.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ from cache.events import (
     replay,
     replay_views,
 )
-from cache.keys import joined_tokens, key_packed
+from cache.keys import PackedTokens, joined_tokens, key_packed
 
 StoredRun: TypeAlias = tuple[Any, ...]
-# (parent hash | None, nodes, keys, block ids, block size, namespace)
+# (parent hash | None, block hashes: list[int], token ids: bytes (native uint32),
+#  block ids, block size, namespace)
 """A commit's `BlockStored` as recorded (a plain tuple: only events are NamedTuples);
 `stored_event` builds it."""
 
@@ -119,22 +123,28 @@ class EventLog:
         first, as a stored run (built when read: `stored_event`).
 
         `keys[i]` and `blocks[i]` are `nodes[i].key` and `nodes[i].block` (the
-        commit holds them already, in its keys and block table); the three
-        sequences are kept as given, so they must be the caller's own copies
-        (the commit passes a new list and two slices).
+        commit holds them already, in its keys and block table); `blocks` is
+        kept as given, so it must be the caller's own copy (the commit passes a
+        slice). The hashes and the packed token ids are read here, while the
+        commit's nodes and keys are still hot in the CPU's caches.
         """
         if not self.enabled or not nodes:
             return
         parent = nodes[0].parent
-        self._events.append(
-            (
-                None if parent is None or parent.key is None else parent.block_hash,
-                nodes,
-                keys,
-                blocks,
-                block_size,
-                nodes[0].namespace,
+        parent_hash = None if parent is None or parent.key is None else parent.block_hash
+        namespace = nodes[0].namespace
+        try:  # a key is its packed bytes unless the block has an extra identity or
+            # a test injected a key hash (`cache.keys.block_key`)
+            tokens = b"".join(keys)  # type: ignore[arg-type]
+        except TypeError:
+            tokens = b""
+        if len(tokens) != 4 * block_size * len(keys):  # not plain uint32 blocks
+            self._events.append(
+                _stored_from_nodes(parent_hash, nodes, keys, blocks, block_size, namespace)
             )
+            return
+        self._events.append(
+            (parent_hash, list(map(_block_hash, nodes)), tokens, blocks, block_size, namespace)
         )
 
     def removed(self, nodes: Sequence[Node]) -> None:
@@ -348,18 +358,35 @@ class EventLog:
 
 def stored_event(run: StoredRun) -> BlockStored:
     """The `BlockStored` a stored run records (see `EventLog.stored`)."""
-    parent_hash, nodes, keys, blocks, block_size, namespace = run
-    try:  # a key is its packed bytes unless the block has an extra identity or
-        # a test injected a key hash (`cache.keys.block_key`)
-        token_ids = joined_tokens(keys, block_size)
-        extras = plain_extra_keys(namespace, len(nodes))
-    except TypeError:
-        token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
-        extras = None
-        if namespace or any(nd.extra is not None for nd in nodes):
-            from cache.block_hash import extra_keys
+    parent_hash, hashes, tokens, blocks, block_size, namespace = run
+    return device_stored(
+        tuple(hashes),
+        tuple(blocks),
+        parent_hash,
+        PackedTokens(tokens),
+        block_size,
+        namespace,
+        plain_extra_keys(namespace, len(hashes)),
+    )
 
-            extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+
+def _stored_from_nodes(
+    parent_hash: int | None,
+    nodes: Sequence[Node],
+    keys: Sequence[Hashable],
+    blocks: Sequence[int],
+    block_size: int,
+    namespace: str,
+) -> BlockStored:
+    """The `BlockStored` of blocks whose keys are not all plain uint32 blocks: each
+    key's packed ids (a tuple of token ids when any needs 64 bits), and the extra
+    keys of each block's identity."""
+    token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
+    extras = None
+    if namespace or any(nd.extra is not None for nd in nodes):
+        from cache.block_hash import extra_keys
+
+        extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
     hashes, ids = tuple(map(_block_hash, nodes)), tuple(blocks)
     return device_stored(hashes, ids, parent_hash, token_ids, block_size, namespace, extras)
 

@@ -31,10 +31,9 @@ block_ids, namespace, medium, group_idx]`` for a `BlockRemoved`, and ``[2,
 pickle]`` for any other event (rare: host-tier moves, checkpoints, clears).
 Hashes are sent as they are, or as their low 64 bits (what the wire carries)
 when one is wider (a `vllm` digest). A commit whose keys are not plain uint32
-blocks (an extra identity, 64-bit ids) is built in the engine's process and
-sent as ``[2, ...]``. Packing a commit costs the engine its hashes' list, one
-join and msgpack's copy: measured at under half of building its `BlockStored`
-and a third of building and encoding it.
+blocks (an extra identity, 64-bit ids) was built by the commit itself
+(`cache.event_log`) and is sent as ``[2, ...]``. Packing a commit costs the
+engine one small list and msgpack's copy of what the commit recorded.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
-from operator import attrgetter
 from types import TracebackType
 from typing import Any
 
@@ -63,7 +61,6 @@ from cache.event_log import (
     StoredRun,
     device_stored,
     plain_extra_keys,
-    stored_event,
 )
 from cache.events import (
     BlockRemoved,
@@ -78,22 +75,13 @@ log = logging.getLogger(__name__)
 _MASK = (1 << 64) - 1
 _STORED, _REMOVED, _OTHER = 0, 1, 2
 _STOP = b""
-_block_hash = attrgetter("block_hash")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
 def _stored_item(run: StoredRun) -> list[Any]:
-    """A commit's stored blocks as a frame item; built here instead when its keys are
-    not plain uint32 blocks (an extra identity, an injected key hash, 64-bit ids)."""
-    parent_hash, nodes, keys, blocks, block_size, namespace = run
-    try:
-        tokens = b"".join(keys)
-    except TypeError:
-        tokens = b""
-    if len(tokens) != 4 * block_size * len(keys):
-        return _event_item(stored_event(run))
-    hashes = list(map(_block_hash, nodes))
+    """A commit's stored blocks as a frame item (the run's values, as recorded)."""
+    parent_hash, hashes, tokens, blocks, block_size, namespace = run
     return [_STORED, parent_hash, block_size, namespace, hashes, blocks, tokens]
 
 
