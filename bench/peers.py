@@ -14,8 +14,8 @@ to the dict trie measured in the same run; the same for `bench.column_trie`
 without blocktrie's guards). Then bytes per cached block (RSS
 growth of a fresh process caching ~10^6 blocks of realistic token ids, ÷
 cached blocks) for both, and blocktrie's per-block cost with events on (xxh3
-chained block hashes, events built, drained and encoded to vLLM's wire format
-at every poll) vs off, with the stable hash alone (events built and
+chained block hashes, events drained unbuilt and encoded to vLLM's wire format
+at every poll) vs off, with the stable hash alone (events recorded and
 drained, not encoded: what the hash adds when vLLM's total is compared), and
 published through an encoder process (`ProcessEventPublisher`: the engine
 thread's own cost when another process builds and encodes the events).
@@ -200,11 +200,11 @@ class _EventDrain:
     """A BlockTrie with events on whose `poll` also drains the events, as an engine
     does once per step, and then (`mode`):
 
-    - ``"encode"``: encodes them to vLLM's wire format (`encode_batch`), as an
-      in-process publishing caller does (a publisher's sender thread would then
-      only hand the bytes to ZMQ);
-    - ``"hash"``: nothing more: what the stable block hash and the events'
-      recording add on their own;
+    - ``"encode"``: drains them unbuilt and encodes them to vLLM's wire format
+      (`encode_batch`), as an in-process publishing caller does (a publisher's
+      sender thread would then only hand the bytes to ZMQ);
+    - ``"hash"``: drains them unbuilt, nothing more: what the stable block hash
+      and the events' recording add on their own;
     - ``"process"``: drains them unbuilt and publishes them through a
       `ProcessEventPublisher` (loopback, no subscriber): what the engine's
       thread pays when an encoder process builds and encodes them.
@@ -236,9 +236,9 @@ class _EventDrain:
             if records and not self._publisher.publish(records, ts=0.0):
                 raise RuntimeError("the benchmark's encoder process dropped a batch")
             return n
-        events = self._trie.drain_events()
-        if events and self._mode == "encode":
-            encode_batch(events, ts=0.0)
+        records = self._trie.drain_event_records()
+        if records and self._mode == "encode":
+            encode_batch(records, ts=0.0)
         return n
 
     def close(self) -> None:
@@ -469,7 +469,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
     )
     if events_row is not None:
         print_(
-            f"  events on (xxh3 block hashes; events built, drained and encoded each poll), "
+            f"  events on (xxh3 block hashes; events drained and encoded each poll), "
             f"{events_row['row']}: {events_row['on_ns_per_block']:,.0f} ns/block vs "
             f"{events_row['off_ns_per_block']:,.0f} off = "
             f"+{events_row['added_ns_per_block']:,.0f} ns ({events_row['ratio']:.2f}x); "

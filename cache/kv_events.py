@@ -41,7 +41,16 @@ import msgspec
 import numpy as np
 
 from cache.block_hash import MASK64
-from cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from cache.event_log import EventRecords, StoredRun, built_events, plain_extra_keys
+from cache.events import (
+    KIND_FULL_ATTENTION,
+    KV_GROUP,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 from cache.keys import PackedTokens
 from cache.validation import U32
 
@@ -249,7 +258,7 @@ def to_wire_event(
 
 
 def encode_batch(
-    events: Iterable[Event],
+    events: Iterable[Event] | EventRecords,
     *,
     ts: float | None = None,
     data_parallel_rank: int | None = None,
@@ -257,8 +266,12 @@ def encode_batch(
 ) -> bytes:
     """msgpack bytes of vLLM's `KVEventBatch` holding `events` in order.
 
-    `ts` defaults to `time.time()`. Raises `TypeError` for an object that is
-    not a `cache.events` event or an extra key msgpack cannot encode.
+    `events` is a list (or any iterable) of events, or what
+    `BlockTrie.drain_event_records()` returns: the same events unbuilt, which
+    are encoded straight from the commits' records (no event object is made
+    for them) to the same bytes as their built events. `ts` defaults to
+    `time.time()`. Raises `TypeError` for an object that is not a
+    `cache.events` event or an extra key msgpack cannot encode.
 
     The bytes are those of `to_wire_event` for each event. A batch is first
     encoded with its block hashes as they are (what `xxh3` chain values need:
@@ -266,20 +279,26 @@ def encode_batch(
     only when msgpack refuses an int (a `vllm` 256-bit digest) is it encoded
     again through `to_wire_event`, which publishes their low 64 bits.
     """
-    events = events if isinstance(events, list) else list(events)
+    if isinstance(events, EventRecords):
+        items: list[Event | StoredRun] = events.items
+    else:
+        items = events if isinstance(events, list) else list(events)
+        if tuple in map(type, items):  # only a record's own runs are plain tuples
+            raise TypeError("not a KV cache event: tuple")
     # Every packed token id array of the batch in one numpy pass.
     packed = [
-        e.token_ids.packed  # type: ignore[union-attr]
-        for e in events
-        if type(e) is BlockStored and type(e.token_ids) is PackedTokens
+        e[2] if type(e) is tuple else e.token_ids.packed  # type: ignore[union-attr,attr-defined]
+        for e in items
+        if type(e) is tuple or (type(e) is BlockStored and type(e.token_ids) is PackedTokens)
     ]
     arrays = msgpack_uint_arrays(packed) if packed else []
     stamp = time.time() if ts is None else float(ts)
     try:
-        wire = _fast_wire(events, arrays, legacy)
+        wire = _fast_wire(items, arrays, legacy)
         return _encoder.encode(_Batch(stamp, wire, data_parallel_rank))
     except (TypeError, OverflowError):
         pass  # a hash past 64 bits, or a bad event: the exact path masks or reports it
+    built = built_events(items)
     raw = iter(arrays)
     wire = [
         to_wire_event(
@@ -291,7 +310,7 @@ def encode_batch(
                 else None
             ),
         )
-        for e in events
+        for e in built
     ]
     try:
         return _encoder.encode(_Batch(stamp, wire, data_parallel_rank))
@@ -299,15 +318,33 @@ def encode_batch(
         raise TypeError(f"cannot encode KV event batch: {exc}") from None
 
 
-def _fast_wire(events: list[Event], arrays: list[bytes], legacy: bool) -> list[object]:
-    """`to_wire_event` of each event, with `BlockStored` built inline and its block
-    hashes unmasked (msgpack raises `OverflowError` for one past 64 bits)."""
+def _fast_wire(items: list[Event | StoredRun], arrays: list[bytes], legacy: bool) -> list[object]:
+    """`to_wire_event` of each event (a stored run: of the event it builds), with
+    `BlockStored` built inline and its block hashes unmasked (msgpack raises
+    `OverflowError` for one past 64 bits)."""
     stored = _LegacyStored if legacy else _Stored
     raw = iter(arrays)
     wire: list[object] = []
     append = wire.append
-    for e in events:
-        if type(e) is BlockStored:
+    for e in items:
+        if type(e) is tuple:  # a stored run (`cache.event_log.stored_event`)
+            parent, hashes, _, _, size, namespace = e
+            extra = plain_extra_keys(namespace, len(hashes))
+            append(
+                stored(
+                    hashes,
+                    None if parent is None else parent & MASK64,
+                    msgspec.Raw(next(raw)),  # type: ignore[arg-type]  # an array all the same
+                    size,
+                    None,
+                    MEDIUM_GPU,
+                    namespace or None,
+                    None if extra is None else list(extra),
+                    KV_GROUP,
+                    KIND_FULL_ATTENTION,
+                )
+            )
+        elif type(e) is BlockStored:
             hashes, _, parent, ids, size, namespace, medium, group, kind, extra, lora = e
             append(
                 stored(
@@ -324,5 +361,5 @@ def _fast_wire(events: list[Event], arrays: list[bytes], legacy: bool) -> list[o
                 )
             )
         else:
-            append(to_wire_event(e, legacy=legacy))
+            append(to_wire_event(e, legacy=legacy))  # type: ignore[arg-type]
     return wire

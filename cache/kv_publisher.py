@@ -42,6 +42,7 @@ from types import TracebackType
 
 import zmq
 
+from cache.event_log import EventRecords
 from cache.events import Event
 from cache.kv_events import encode_batch
 
@@ -163,9 +164,17 @@ class KVEventPublisher:
     # ----------------------------------------------------------------- API
 
     def publish(
-        self, events: Iterable[Event], *, ts: float | None = None, seq: int | None = None
+        self,
+        events: Iterable[Event] | EventRecords,
+        *,
+        ts: float | None = None,
+        seq: int | None = None,
     ) -> bool:
         """Send or queue one batch of `events`; False when it was dropped (queue full).
+
+        `events` is a list of events, or what `BlockTrie.drain_event_records()`
+        returns (the cheaper: its commits go to the wire without an event object
+        each; the bytes are the same).
 
         Sent before returning when the socket is free and no batch is queued
         (`published_batches` has counted it); queued for the sender thread
@@ -179,7 +188,7 @@ class KVEventPublisher:
         """
         if self._closed:
             raise RuntimeError("KVEventPublisher is closed")
-        evs = events if isinstance(events, list) else list(events)
+        evs = events if isinstance(events, (list, EventRecords)) else list(events)
         if not evs:
             return True
         payload = encode_batch(

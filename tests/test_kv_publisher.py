@@ -467,3 +467,39 @@ def test_an_idle_publisher_sleeps() -> None:
         cpu = time.process_time()
         time.sleep(0.5)
         assert time.process_time() - cpu < 0.1
+
+
+def test_drained_records_go_out_as_the_bytes_of_their_events(ctx: Ctx) -> None:
+    """`publish(trie.drain_event_records())`: the commits' records are encoded
+    without building their events, into the bytes their events encode to; a
+    dropped batch counts its events."""
+    from cache import BlockTrie, CacheConfig
+
+    def served(namespaces: list[str]) -> BlockTrie:
+        trie = BlockTrie(
+            CacheConfig(block_size=2, num_blocks=16, kv_block_shape=None, enable_events=True)
+        )
+        for i, namespace in enumerate(namespaces):
+            seq = trie.match([1, 2, 3, 4, 5, i], namespace)
+            trie.allocate(seq, 6)
+            trie.commit(seq, 6)
+            trie.release(seq)
+        trie.evict(2)
+        return trie
+
+    namespaces = ["", "lora-a", ""]
+    events = served(namespaces).drain_events()
+    records = served(namespaces).drain_event_records()
+    assert any(type(item) is tuple for item in records.items)  # unbuilt commits
+    with KVEventPublisher(LOOP) as pub:
+        sub = _sub(ctx, pub.endpoint)
+        _wait_joined(pub, sub)
+        assert pub.publish(records, ts=3.0)
+        ((_, _, payload),) = _recv_real(sub, 1)
+    assert payload == encode_batch(events, ts=3.0)
+    sub.close(linger=0)
+
+    with KVEventPublisher(LOOP, queue_batches=1) as pub, pub._socket_lock:  # sender busy
+        assert pub.publish(served(namespaces).drain_event_records())  # queued
+        assert not pub.publish(records)  # the queue is full: dropped
+        assert (pub.dropped_batches, pub.dropped_events) == (1, len(records))

@@ -101,6 +101,10 @@ def test_records_build_the_events_and_frames_carry_their_wire_bytes(
     assert len(drained) == len(events)
     b.check()  # invariant 10: the records count as drained
     assert b.snapshot() == a.snapshot()
+    for legacy in (False, True):  # the records encode straight to their events' bytes
+        assert encode_batch(drained, ts=1.5, data_parallel_rank=3, legacy=legacy) == (
+            encode_batch(events, ts=1.5, data_parallel_rank=3, legacy=legacy)
+        )
     seq, ts, decoded = decode_frame(encode_frame(drained, seq=7, ts=1.5))
     assert (seq, ts) == (7, 1.5)
     assert encode_batch(decoded, ts=1.5) == encode_batch(events, ts=1.5)
