@@ -23,15 +23,26 @@ published batch, as an engine draining events once per step would):
   been handed to ZMQ, by the caller or the sender thread (what the process
   pays in total);
 - ``blocktrie_events``: the same BlockTrie loop with events on (``xxh3``),
-  draining every `commits_per_batch` commits and publishing each batch on
-  loopback, until everything has been sent: what an engine
-  pays in total;
+  draining every `commits_per_batch` commits (`drain_event_records`: the
+  commits' records, encoded without building their events) and publishing
+  each batch on loopback, until everything has been sent: what an engine
+  pays in total (``blocktrie_events_process``: the same through a
+  `ProcessEventPublisher`);
 - ratios: ``events_over_blocktrie`` = (``blocktrie_events`` - ``blocktrie``)
-  / ``blocktrie``, the median over `repeat` interleaved rounds (each round
-  runs events off, then on, so both see the same machine load): issue 9's
-  goal is <= 0.25. ``components_over_blocktrie`` = (hash xxh3 + build +
-  publish_e2e) / blocktrie sums the parts measured alone (it misses the
-  commit-side bookkeeping the end-to-end figure includes), and
+  / ``blocktrie``, the median over `repeat` rounds; in each round an
+  events-off and an events-on trie take turns chain by chain, so both see
+  the same machine load (on a shared machine, load drifts by tens of
+  percent between runs a second apart; turns of ~30 us cancel it), and with
+  Python's garbage collector paused for the round: both tries' nodes share
+  one heap, so a collection (tens of ms) would be charged to whichever side
+  happened to cross the allocation threshold (two identical tries then
+  differ by up to 2x; paused, by under 2%). Leaving the collector's time out
+  of both sides makes the ratio conservative: it shrinks the events-off
+  cost, and events add no GC-tracked object per block (their records are
+  one tuple and one list per commit). Issue 9's goal is <= 0.25.
+  ``components_over_blocktrie`` = (hash xxh3 + build + publish_e2e) /
+  blocktrie sums the parts measured alone (it misses the commit-side
+  bookkeeping the end-to-end figure includes), and
   ``events_over_dict_insert`` the same over ``dict_insert``.
 """
 
@@ -53,6 +64,7 @@ if __package__ in (None, ""):  # run as `python bench/events.py`
 
 perf_ns = time.perf_counter_ns
 cpu_ns = time.process_time_ns  # this process's CPU: the engine's, not an encoder process's
+thread_ns = time.thread_time_ns
 
 
 def _chains(n: int, chain_blocks: int, block_size: int, seed: int) -> list[list[int]]:
@@ -113,50 +125,57 @@ def bench_events(
         trie.commit(seq, len(toks))
         trie.release(seq)
 
-    def blocktrie(events: bool = False) -> tuple[int, int]:
-        config = CacheConfig(block_size=b, num_blocks=n_blocks + 1, enable_events=events)
-        trie = BlockTrie(config)
-        publisher = None
-        if events:
-            publisher = KVEventPublisher("tcp://127.0.0.1:*", queue_batches=chains + 1)
-        try:
-            batches = 0
-            t0, c0 = perf_ns(), cpu_ns()
-            for i, toks in enumerate(data, 1):
-                serve(trie, toks)
-                if publisher is not None and (i % commits_per_batch == 0 or i == chains):
-                    drained = trie.drain_events()
-                    if drained:  # an empty batch is not sent
-                        if not publisher.publish(drained):
-                            raise RuntimeError("benchmark publisher dropped a batch")
-                        batches += 1
-            if publisher is not None:
-                while publisher.published_batches < batches:
-                    time.sleep(0.0002)
-            elapsed = perf_ns() - t0, cpu_ns() - c0
-        finally:
-            if publisher is not None:
-                publisher.close()
-        return elapsed
+    def paired(publisher: KVEventPublisher | ProcessEventPublisher) -> tuple[int, ...]:
+        """One round: the loop on two tries side by side, events off and on, taking
+        turns chain by chain (which goes first alternates), so both see the same
+        machine load, then waiting until `publisher` has sent every batch the
+        events-on trie drained into it (`drain_event_records`, every
+        `commits_per_batch` commits).
 
-    def blocktrie_process(publisher: ProcessEventPublisher) -> tuple[int, int]:
-        """The loop with events on, published through `publisher`'s encoder process,
-        until the child has published every batch."""
-        config = CacheConfig(block_size=b, num_blocks=n_blocks + 1, enable_events=True)
-        trie = BlockTrie(config)
-        target = publisher.poll_status()
-        t0, c0 = perf_ns(), cpu_ns()
+        Returns (off, on) wall ns, (off, on) CPU ns of this process (the
+        events-off side's CPU is its own thread's, and the events-on side's is
+        the rest of the process's: this thread's turns plus any sender or ZMQ
+        I/O thread; never an encoder process's), and (off, on) CPU ns of this
+        thread in its turns: what the engine's scheduler thread pays."""
+        off = BlockTrie(CacheConfig(block_size=b, num_blocks=n_blocks + 1))
+        on = BlockTrie(CacheConfig(block_size=b, num_blocks=n_blocks + 1, enable_events=True))
+        target = (
+            publisher.poll_status()
+            if isinstance(publisher, ProcessEventPublisher)
+            else publisher.published_batches
+        )
+        off_wall = on_wall = off_cpu = on_thread = 0
+        gc.collect()
+        gc.disable()  # see the module docstring: a collection would land on one side
+        c0 = cpu_ns()
         for i, toks in enumerate(data, 1):
-            serve(trie, toks)
-            if i % commits_per_batch == 0 or i == chains:
-                records = trie.drain_event_records()
-                if records:
-                    if not publisher.publish(records):
-                        raise RuntimeError("benchmark publisher dropped a batch")
-                    target += 1
-        if not publisher.wait_published(target, timeout=60.0):
-            raise RuntimeError("the encoder process did not publish every batch")
-        return perf_ns() - t0, cpu_ns() - c0
+            for events in (False, True) if i % 2 else (True, False):
+                t0, tc = perf_ns(), thread_ns()
+                if not events:
+                    serve(off, toks)
+                    off_cpu += thread_ns() - tc
+                    off_wall += perf_ns() - t0
+                    continue
+                serve(on, toks)
+                if i % commits_per_batch == 0 or i == chains:
+                    records = on.drain_event_records()
+                    if records:  # an empty batch is not sent
+                        if not publisher.publish(records):
+                            raise RuntimeError("benchmark publisher dropped a batch")
+                        target += 1
+                on_thread += thread_ns() - tc
+                on_wall += perf_ns() - t0
+        t0 = perf_ns()
+        if isinstance(publisher, ProcessEventPublisher):
+            if not publisher.wait_published(target, timeout=60.0):
+                raise RuntimeError("the encoder process did not publish every batch")
+        else:
+            while publisher.published_batches < target:
+                time.sleep(0.0002)
+        on_wall += perf_ns() - t0
+        on_cpu = cpu_ns() - c0 - off_cpu
+        gc.enable()
+        return off_wall, on_wall, off_cpu, on_cpu, off_cpu, on_thread
 
     out: dict[str, Any] = {
         "chains": chains,
@@ -167,29 +186,31 @@ def bench_events(
         "repeat": repeat,
     }
     out["dict_insert"] = _best(dict_insert, repeat) / n_blocks
-    off_ns: list[tuple[int, int]] = []
-    on_ns: list[tuple[int, int]] = []
-    process_ns: list[tuple[int, int]] = []
+    in_thread: list[tuple[int, ...]] = []
+    in_process: list[tuple[int, ...]] = []
     with ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=chains + 1) as process:
-        for _ in range(repeat):  # interleaved: each round sees all three under the same load
+        for _ in range(repeat):
             gc.collect()
-            off_ns.append(blocktrie(False))
+            with KVEventPublisher("tcp://127.0.0.1:*", queue_batches=chains + 1) as publisher:
+                in_thread.append(paired(publisher))
             gc.collect()
-            on_ns.append(blocktrie(True))
-            gc.collect()
-            process_ns.append(blocktrie_process(process))
+            in_process.append(paired(process))
 
-    def added(on: list[tuple[int, int]], part: int) -> float:
-        """Median over rounds of on / off - 1 (`part` 0: wall time, 1: this process's CPU)."""
-        return statistics.median(x[part] / o[part] - 1.0 for x, o in zip(on, off_ns, strict=True))
+    def added(rounds: list[tuple[int, ...]], at: int) -> float:
+        """Median over rounds of on / off - 1 (`at` 0: wall time, 2: this process's
+        CPU, 4: this thread's CPU)."""
+        return statistics.median(r[at + 1] / r[at] - 1.0 for r in rounds)
 
-    out["blocktrie"] = min(w for w, _ in off_ns) / n_blocks
-    out["blocktrie_events"] = min(w for w, _ in on_ns) / n_blocks
-    out["blocktrie_events_process"] = min(w for w, _ in process_ns) / n_blocks
-    out["events_over_blocktrie"] = added(on_ns, 0)
-    out["events_process_over_blocktrie"] = added(process_ns, 0)
-    out["events_cpu_over_blocktrie"] = added(on_ns, 1)
-    out["events_process_cpu_over_blocktrie"] = added(process_ns, 1)
+    out["rounds"] = {"in_thread": in_thread, "in_process": in_process}
+    out["blocktrie"] = min(r[0] for r in in_thread + in_process) / n_blocks
+    out["blocktrie_events"] = min(r[1] for r in in_thread) / n_blocks
+    out["blocktrie_events_process"] = min(r[1] for r in in_process) / n_blocks
+    out["events_over_blocktrie"] = added(in_thread, 0)
+    out["events_process_over_blocktrie"] = added(in_process, 0)
+    out["events_cpu_over_blocktrie"] = added(in_thread, 2)
+    out["events_process_cpu_over_blocktrie"] = added(in_process, 2)
+    out["events_thread_over_blocktrie"] = added(in_thread, 4)
+    out["events_process_thread_over_blocktrie"] = added(in_process, 4)
 
     hashes: dict[str, list[list[int]]] = {}
     out["hash"] = {}
@@ -291,13 +312,19 @@ def print_events(r: dict[str, Any], emit: Callable[[str], object] = print) -> No
     emit(
         f"  events on costs +{r['events_over_blocktrie']:.2f}x of events off with "
         f"KVEventPublisher, +{r['events_process_over_blocktrie']:.2f}x with "
-        f"ProcessEventPublisher (wall time, median of {r['repeat']} interleaved rounds; "
+        f"ProcessEventPublisher (wall time, median of {r['repeat']} rounds, each taking "
+        "turns with events off chain by chain, GC paused; "
         "goal <= 0.25)"
     )
     emit(
         f"  the engine process's CPU: +{r['events_cpu_over_blocktrie']:.2f}x with "
         f"KVEventPublisher, +{r['events_process_cpu_over_blocktrie']:.2f}x with "
         "ProcessEventPublisher (its encoder process's CPU not counted)"
+    )
+    emit(
+        f"  the engine thread's CPU: +{r['events_thread_over_blocktrie']:.2f}x with "
+        f"KVEventPublisher, +{r['events_process_thread_over_blocktrie']:.2f}x with "
+        "ProcessEventPublisher"
     )
     emit(
         f"  parts alone / BlockTrie: {r['components_over_blocktrie']:.2f}   "
