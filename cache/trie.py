@@ -1231,10 +1231,11 @@ class BlockTrie:
         """`drain_events` without building the events: an `EventRecords` whose
         `events()` are the events `drain_events` would have returned.
 
-        For `cache.kv_publisher_process.ProcessEventPublisher`, which ships them
-        to its encoder process unbuilt, so the engine's process does not build
-        and encode an event object per commit. `check()` (invariant 10) sees
-        them drained, as after `drain_events`.
+        What a publisher takes: `cache.kv_publisher.KVEventPublisher` and
+        `cache.kv_events.encode_batch` encode a commit's record straight to the
+        wire, and `cache.kv_publisher_process.ProcessEventPublisher` ships it to
+        its encoder process, so no event object is built per commit. `check()`
+        (invariant 10) sees them drained, as after `drain_events`.
         """
         if not self._gate.acquire(False):
             raise self._concurrent_use("drain_event_records()")

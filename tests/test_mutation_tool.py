@@ -249,3 +249,104 @@ def test_under_a_mutant_a_test_far_past_its_recorded_time_fails(
         assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
         with pytest.raises(StopIteration):
             hook.send(None)
+
+
+_SOURCE = '''"""Module doc."""
+
+X = 1
+"""What X is."""
+
+
+def f(a: int) -> int:
+    """Doc of f."""
+    # a comment
+    return a + X  # pragma: no mutate
+
+
+class C:
+    \'\'\'Doc of C.\'\'\'
+
+    def g(self) -> str:
+        return """not a statement: a value"""
+'''
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "holds"),
+    [
+        ('"""Module doc."""', '"""Another module doc,\n\nlonger."""', True),
+        ('"""What X is."""', '"""What X is, again."""', True),
+        ('"""Doc of f."""', "", True),  # a docstring removed
+        ("'''Doc of C.'''", "'''Doc of C, edited.'''", True),
+        ("# a comment", "# another comment", True),
+        ("X = 1\n", "X = 1\n\n\n", True),  # layout
+        ("X = 1", "X = 2", False),
+        ("return a + X  # pragma: no mutate", "return a + X", False),  # decides mutants
+        ('"""not a statement: a value"""', '"""another value"""', False),
+        ('"""What X is."""', '"What X is."', False),  # mutmut mutates this one
+        ('"""What X is."""', '"""What X is.""" "x"', False),  # and half of this
+    ],
+)
+def test_a_record_holds_through_docstring_and_comment_edits_only(
+    tmp_path: Path, old: str, new: str, holds: bool
+) -> None:
+    record = _scored(tmp_path, {"a1": 1}, source=_SOURCE)
+    mutation.save_record(mutation.read_scores(["cache/a.py"], tmp_path), tmp_path, record)
+    assert old in _SOURCE
+    (tmp_path / "cache" / "a.py").write_text(_SOURCE.replace(old, new))
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record)
+    assert (got[0].killed == 1) is holds, notes
+    assert notes["cache/a.py"].startswith("recorded at " if holds else "source changed since ")
+
+
+def test_a_file_that_does_not_parse_is_digested_as_bytes(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "a.py").write_text("def (:\n")
+    digest = mutation.code_digest("cache/a.py", tmp_path)
+    assert digest == "bytes:" + mutation.source_digest("cache/a.py", tmp_path)
+    assert mutation.code_digest("cache/none.py", tmp_path) == ""
+
+
+def test_rekey_gives_unchanged_files_of_an_old_record_their_code_digest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = _scored(tmp_path, {"a1": 1}, source=_SOURCE)
+    (tmp_path / "cache" / "b.py").write_text("y = 1\n")
+    (tmp_path / "mutants" / "cache" / "b.py.meta").write_text(
+        json.dumps({"exit_code_by_key": {"b1": 1}})
+    )
+    scores = mutation.read_scores(["cache/a.py", "cache/b.py"], tmp_path)
+    mutation.save_record(scores, tmp_path, record)
+    entries = json.loads(record.read_text())
+    for entry in entries.values():  # a record made before code digests
+        del entry["code_sha256"]
+    record.write_text(json.dumps(entries))
+    (tmp_path / "cache" / "b.py").write_text("y = 2\n")  # changed since
+    old_doc = _SOURCE.replace('"""Doc of f."""', '"""Edited."""')
+    (tmp_path / "cache" / "a.py").write_text(old_doc)  # a docstring: bytes differ too
+    assert mutation.rekey_record(tmp_path, record) == []  # neither holds by its bytes
+    (tmp_path / "cache" / "a.py").write_text(_SOURCE)
+    assert mutation.rekey_record(tmp_path, record) == ["cache/a.py"]
+    assert mutation.rekey_record(tmp_path, record) == []  # done once
+    kept = mutation.load_record(record)
+    assert kept["cache/a.py"].code_sha256 == mutation.code_digest("cache/a.py", tmp_path)
+    assert kept["cache/b.py"].code_sha256 == ""
+    (tmp_path / "cache" / "a.py").write_text(old_doc)  # now a docstring edit keeps it
+    got, notes = mutation.recorded_scores(["cache/a.py", "cache/b.py"], tmp_path, record)
+    assert got[0].killed == 1 and notes["cache/a.py"].startswith("recorded at ")
+    assert got[1].counted == 0 and notes["cache/b.py"].startswith("source changed since ")
+
+
+def test_the_rekey_command_rekeys_the_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = _scored(tmp_path, {"a1": 1}, source=_SOURCE)
+    mutation.save_record(mutation.read_scores(["cache/a.py"], tmp_path), tmp_path, record)
+    entries = json.loads(record.read_text())
+    del entries["cache/a.py"]["code_sha256"]
+    record.write_text(json.dumps(entries))
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setattr(mutation, "RECORD", record)
+    assert mutation.main(["--rekey"]) == 0
+    assert capsys.readouterr().out == "rekeyed 1 file(s) in scores.json\n"
+    assert mutation.load_record(record)["cache/a.py"].code_sha256

@@ -19,13 +19,19 @@ Not part of ``.ci/run``: a run over the whole core takes hours on 2 cores, and
 file's result in ``tools/mutation_scores.json`` (committed), with the SHA-256
 of the source it was measured on; ``--recorded`` reports and gates from that
 record, where a file whose source has changed since (or that was never
-recorded) counts as unscored. A record stays valid while the file is
-unchanged: tests are only ever added, which can kill more, never fewer.
+recorded) counts as unscored. A record stays valid while the file's code is
+unchanged: tests are only ever added, which can kill more, never fewer. What
+counts as its code is what mutmut mutates and runs (`code_digest`): editing a
+docstring or a comment keeps the record; any other edit, or a ``pragma: no
+mutate`` line added or changed, voids it. ``--rekey`` gives records made before
+that rule (kept by the SHA-256 of the file's bytes alone) their code digest,
+for every file whose bytes are still the ones measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import fnmatch
 import hashlib
@@ -84,12 +90,54 @@ class Recorded:
     source_sha256: str
     commit: str
     date: str
+    code_sha256: str = ""
+    """`code_digest` of the source (empty in a record made before it existed)."""
 
 
 def source_digest(path: str, root: Path = ROOT) -> str:
     """SHA-256 (hex) of the file's bytes; "" when it does not exist."""
     file = root / path
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
+
+
+class _WithoutStringStatements(ast.NodeTransformer):
+    """Drops the statements that are only a triple-quoted string (docstrings,
+    attribute docstrings): mutmut never mutates a triple-quoted string, and as a
+    statement it does nothing."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def visit_Expr(self, node: ast.Expr) -> ast.Expr | None:
+        value = node.value
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            literal = (ast.get_source_segment(self._text, value) or "").lstrip("rRuU")
+            if literal.startswith(('"""', "'''")) and literal.endswith(literal[:3]):
+                return None
+        return node
+
+
+def code_digest(path: str, root: Path = ROOT) -> str:
+    """SHA-256 (hex) of what mutmut mutates and runs in the file; "" when it does
+    not exist.
+
+    The digest covers the syntax tree (`ast.dump`: no comments, no layout) less
+    its triple-quoted string statements (`_WithoutStringStatements`), and every
+    line that says ``pragma: no mutate`` (a comment that decides which mutants
+    exist). So it changes with any edit to code, and not with one to a
+    docstring or a comment. A file that does not parse is digested as bytes.
+    """
+    file = root / path
+    if not file.exists():
+        return ""
+    text = file.read_text()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return "bytes:" + source_digest(path, root)
+    code = ast.dump(_WithoutStringStatements(text).visit(tree))
+    pragmas = [line.strip() for line in text.splitlines() if "pragma: no mutate" in line]
+    return hashlib.sha256("\n".join([code, *pragmas]).encode()).hexdigest()
 
 
 def _head_commit(root: Path) -> str:
@@ -107,15 +155,30 @@ def load_record(path: Path = RECORD) -> dict[str, Recorded]:
     recorded = {}
     for file, entry in entries.items():
         score = FileScore(**entry["score"])
-        recorded[file] = Recorded(score, entry["source_sha256"], entry["commit"], entry["date"])
+        recorded[file] = Recorded(
+            score,
+            entry["source_sha256"],
+            entry["commit"],
+            entry["date"],
+            entry.get("code_sha256", ""),
+        )
     return recorded
+
+
+def holds(rec: Recorded, file: str, root: Path = ROOT) -> bool:
+    """Whether `rec` still speaks for `file`: its code digest matches (or, in a
+    record made before code digests, its bytes are unchanged)."""
+    if rec.code_sha256:
+        return rec.code_sha256 == code_digest(file, root)
+    return rec.source_sha256 == source_digest(file, root)
 
 
 def save_record(
     scores: Sequence[FileScore], root: Path = ROOT, path: Path = RECORD
 ) -> list[FileScore]:
     """Record `scores` (files with results only) over `path`'s entries; returns those
-    recorded. Each entry keeps the source's SHA-256, the commit and the date."""
+    recorded. Each entry keeps the source's SHA-256, its `code_digest`, the commit and
+    the date."""
     entries = json.loads(path.read_text()) if path.exists() else {}
     commit = _head_commit(root)
     today = datetime.date.today().isoformat()
@@ -124,11 +187,30 @@ def save_record(
         entries[s.path] = {
             "score": asdict(s),
             "source_sha256": source_digest(s.path, root),
+            "code_sha256": code_digest(s.path, root),
             "commit": commit,
             "date": today,
         }
     path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
     return kept
+
+
+def rekey_record(root: Path = ROOT, path: Path = RECORD) -> list[str]:
+    """Add the code digest to every entry of `path` that has none and whose file's
+    bytes are still the ones measured; returns those files. Entries whose file
+    changed are left as they are (unscored until measured again)."""
+    if not path.exists():
+        return []
+    entries = json.loads(path.read_text())
+    rekeyed = []
+    for file, entry in entries.items():
+        if entry.get("code_sha256"):
+            continue
+        if entry["source_sha256"] == source_digest(file, root):
+            entry["code_sha256"] = code_digest(file, root)
+            rekeyed.append(file)
+    path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+    return rekeyed
 
 
 def recorded_scores(
@@ -143,7 +225,7 @@ def recorded_scores(
         if rec is None:
             scores.append(FileScore(file))
             notes[file] = "never recorded"
-        elif rec.source_sha256 != source_digest(file, root):
+        elif not holds(rec, file, root):
             scores.append(FileScore(file))
             notes[file] = f"source changed since {rec.commit}"
         else:
@@ -274,10 +356,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="report and gate from the record instead of mutants/ (runs nothing)",
     )
+    parser.add_argument(
+        "--rekey",
+        action="store_true",
+        help="give records made before code digests theirs, where the file is unchanged",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="list surviving mutants")
     args = parser.parse_args(argv)
     if args.record and args.recorded:
         parser.error("--record keeps a run's results; --recorded reads them back: pick one")
+    if args.rekey:
+        rekeyed = rekey_record(ROOT, RECORD)
+        print(f"rekeyed {len(rekeyed)} file(s) in {RECORD.relative_to(ROOT)}")
+        return 0
     core = core_paths()
     paths = args.paths or core
     unknown = [p for p in paths if p not in core]
