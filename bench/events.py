@@ -36,7 +36,7 @@ published batch, as an engine draining events once per step would):
   Python's garbage collector paused for the round: both tries' nodes share
   one heap, so a collection (tens of ms) would be charged to whichever side
   happened to cross the allocation threshold (two identical tries then
-  differ by up to 2x; paused, by under 2%). Leaving the collector's time out
+  differ by up to 3.6x; paused, by under 3%). Leaving the collector's time out
   of both sides makes the ratio conservative: it shrinks the events-off
   cost, and events add no GC-tracked object per block (their records are
   one tuple and one list per commit). Issue 9's goal is <= 0.25.
