@@ -286,3 +286,34 @@ def test_a_freed_device_block_names_its_namespace() -> None:
     log = EventLog(True)
     log.removed_blocks(first, 1)
     assert log.drain() == [BlockRemoved((101,), (1,), "tenant")]
+
+
+@pytest.mark.parametrize(
+    ("extra", "key_hash", "tokens"),
+    [
+        (("a", "b", "c", "d"), None, list(range(1, 17))),  # an extra identity
+        (None, lambda block: 0, list(range(1, 17))),  # an injected key hash
+        (None, None, [1 << 40, *range(2, 9), 1 << 41, *range(10, 17)]),  # 64-bit ids
+    ],
+)
+def test_a_commit_whose_keys_are_not_plain_names_its_parent_and_namespace(
+    extra: tuple[str, ...] | None, key_hash: object, tokens: list[int]
+) -> None:
+    """The commits recorded as built events (not stored runs) carry the same parent
+    hash, namespace, hashes and block ids as a plain commit's."""
+    trie = kv_trie(key_hash=key_hash) if key_hash is not None else kv_trie()
+    stored: list[BlockStored] = []
+    for length in (8, 16):  # the second commit extends the first one's chain
+        seq = trie.match(tokens[:length], namespace="t", extra=extra)
+        trie.allocate(seq, length)
+        trie.commit(seq, length)
+        (event,) = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+        stored.append(event)
+        trie.release(seq)
+    first, second = stored
+    assert first.parent_block_hash is None  # under the root
+    assert second.parent_block_hash == first.block_hashes[-1] != 0
+    assert first.namespace == second.namespace == "t"
+    assert len(second.block_hashes) == len(second.block_ids) == 2
+    assert list(second.token_ids) == tokens[8:16]
+    trie.check()
