@@ -147,34 +147,36 @@ def bench_events(
         off_wall = on_wall = off_cpu = on_thread = 0
         gc.collect()
         gc.disable()  # see the module docstring: a collection would land on one side
-        c0 = cpu_ns()
-        for i, toks in enumerate(data, 1):
-            for events in (False, True) if i % 2 else (True, False):
-                t0, tc = perf_ns(), thread_ns()
-                if not events:
-                    serve(off, toks)
-                    off_cpu += thread_ns() - tc
-                    off_wall += perf_ns() - t0
-                    continue
-                serve(on, toks)
-                if i % commits_per_batch == 0 or i == chains:
-                    records = on.drain_event_records()
-                    if records:  # an empty batch is not sent
-                        if not publisher.publish(records):
-                            raise RuntimeError("benchmark publisher dropped a batch")
-                        target += 1
-                on_thread += thread_ns() - tc
-                on_wall += perf_ns() - t0
-        t0 = perf_ns()
-        if isinstance(publisher, ProcessEventPublisher):
-            if not publisher.wait_published(target, timeout=60.0):
-                raise RuntimeError("the encoder process did not publish every batch")
-        else:
-            while publisher.published_batches < target:
-                time.sleep(0.0002)
-        on_wall += perf_ns() - t0
-        on_cpu = cpu_ns() - c0 - off_cpu
-        gc.enable()
+        try:
+            c0 = cpu_ns()
+            for i, toks in enumerate(data, 1):
+                for events in (False, True) if i % 2 else (True, False):
+                    t0, tc = perf_ns(), thread_ns()
+                    if not events:
+                        serve(off, toks)
+                        off_cpu += thread_ns() - tc
+                        off_wall += perf_ns() - t0
+                        continue
+                    serve(on, toks)
+                    if i % commits_per_batch == 0 or i == chains:
+                        records = on.drain_event_records()
+                        if records:  # an empty batch is not sent
+                            if not publisher.publish(records):
+                                raise RuntimeError("benchmark publisher dropped a batch")
+                            target += 1
+                    on_thread += thread_ns() - tc
+                    on_wall += perf_ns() - t0
+            t0 = perf_ns()
+            if isinstance(publisher, ProcessEventPublisher):
+                if not publisher.wait_published(target, timeout=60.0):
+                    raise RuntimeError("the encoder process did not publish every batch")
+            else:
+                while publisher.published_batches < target:
+                    time.sleep(0.0002)
+            on_wall += perf_ns() - t0
+            on_cpu = cpu_ns() - c0 - off_cpu
+        finally:
+            gc.enable()
         return off_wall, on_wall, off_cpu, on_cpu, off_cpu, on_thread
 
     out: dict[str, Any] = {
