@@ -179,3 +179,47 @@ def test_a_non_event_is_refused_by_its_type_name() -> None:
         to_wire_event(("BlockStored",))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^not a KV cache event: int$"):
         encode_batch([7])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^not a KV cache event: tuple$"):  # a run's shape
+        encode_batch([(None, [1], b"\0\0\0\0", [0], 1, "")])  # type: ignore[list-item]
+
+
+def test_drained_records_are_encoded_without_building_an_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`encode_batch(trie.drain_event_records())` writes each commit from its record:
+    the path that builds events first (taken only for a hash past 64 bits or a bad
+    event) is never reached for `xxh3` records, and the bytes are the built events'.
+    The batch has commits under a root and under a block, in two namespaces, one
+    with an extra identity (recorded built), and an eviction."""
+    pytest.importorskip("xxhash")
+    import cache.kv_events as kv_events
+    from cache import BlockTrie, CacheConfig
+
+    trie = BlockTrie(
+        CacheConfig(block_size=2, num_blocks=16, kv_block_shape=None, enable_events=True)
+    )
+    for tokens, namespace, extra in [
+        ([1, 2, 3, 4], "", None),
+        ([1, 2, 3, 4, 5, 6], "", None),  # under block [3, 4]
+        ([1, 2, 7, 8], "lora-a", None),
+        ([9, 9, 9, 9], "", ("img",)),
+    ]:
+        seq = trie.match(tokens, namespace, extra)
+        trie.allocate(seq, len(tokens))
+        trie.commit(seq, len(tokens))
+        trie.release(seq)
+    trie.evict(1)
+    records = trie.drain_event_records()
+    runs = [item for item in records.items if type(item) is tuple]
+    assert {run[0] is None for run in runs} == {True, False}  # root and block parents
+    assert {run[5] for run in runs} == {"", "lora-a"}
+    events = records.events()
+
+    def refuse(items: object) -> list[Event]:
+        raise AssertionError("encode_batch built the events of a records batch")
+
+    monkeypatch.setattr(kv_events, "built_events", refuse)
+    for legacy in (False, True):
+        assert encode_batch(records, ts=1.0, legacy=legacy) == encode_batch(
+            events, ts=1.0, legacy=legacy
+        )

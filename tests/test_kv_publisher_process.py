@@ -155,6 +155,8 @@ def test_a_one_token_block_with_an_extra_identity_is_built_by_the_engine() -> No
     _run(b, ops)
     events = a.drain_events()
     assert [type(e).__name__ for e in events] == ["BlockStored"]
+    assert tuple(events[0].token_ids) == (7,)  # type: ignore[union-attr]
+    assert events[0].extra_keys is not None  # type: ignore[union-attr]  # its identity
     _, _, decoded = decode_frame(encode_frame(b.drain_event_records(), seq=0, ts=0.0))
     assert decoded == events
 
