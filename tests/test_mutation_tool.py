@@ -350,3 +350,18 @@ def test_the_rekey_command_rekeys_the_record(
     assert mutation.main(["--rekey"]) == 0
     assert capsys.readouterr().out == "rekeyed 1 file(s) in scores.json\n"
     assert mutation.load_record(record)["cache/a.py"].code_sha256
+
+
+def test_an_unchanged_file_holds_whatever_its_code_digest_says(tmp_path: Path) -> None:
+    """A record made under another Python (whose `ast.dump` differs) still holds for
+    a file whose bytes are the ones measured."""
+    record = _scored(tmp_path, {"a1": 1}, source=_SOURCE)
+    mutation.save_record(mutation.read_scores(["cache/a.py"], tmp_path), tmp_path, record)
+    entries = json.loads(record.read_text())
+    entries["cache/a.py"]["code_sha256"] = "digest of another Python's syntax tree"
+    record.write_text(json.dumps(entries))
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record)
+    assert got[0].killed == 1 and notes["cache/a.py"].startswith("recorded at ")
+    (tmp_path / "cache" / "a.py").write_text(_SOURCE.replace("Doc of f", "Edited"))
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record)
+    assert got[0].counted == 0  # neither the bytes nor that digest match now
