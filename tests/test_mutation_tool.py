@@ -365,3 +365,53 @@ def test_an_unchanged_file_holds_whatever_its_code_digest_says(tmp_path: Path) -
     (tmp_path / "cache" / "a.py").write_text(_SOURCE.replace("Doc of f", "Edited"))
     got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record)
     assert got[0].counted == 0  # neither the bytes nor that digest match now
+
+
+def test_show_equivalents_prints_each_entry_under_its_reason_with_its_diff_now(
+    tmp_path: Path,
+) -> None:
+    listing = tmp_path / "equivalent_mutants.txt"
+    listing.write_text(
+        "# A.f: first reason,\n# on two lines.\ncache.a.x_f__mutmut_1\ncache.a.x_f__mutmut_2\n"
+        "# A.g: second reason.\ncache.a.x_g__mutmut_1\n\n"
+        "# B.h: another file.\ncache.b.x_h__mutmut_1\n"
+        "# A.k: a name mutmut no longer has.\ncache.a.x_k__mutmut_9\n"
+    )
+    assert mutation.equivalent_reasons(listing) == [
+        ("cache.a.x_f__mutmut_1", ["# A.f: first reason,", "# on two lines."]),
+        ("cache.a.x_f__mutmut_2", ["# A.f: first reason,", "# on two lines."]),
+        ("cache.a.x_g__mutmut_1", ["# A.g: second reason."]),
+        ("cache.b.x_h__mutmut_1", ["# B.h: another file."]),
+        ("cache.a.x_k__mutmut_9", ["# A.k: a name mutmut no longer has."]),
+    ]
+    assert mutation.equivalent_reasons(tmp_path / "none.txt") == []
+
+    def diff_of(name: str) -> str:
+        if name.endswith("_9"):
+            raise KeyError(name)
+        return f"--- a.py\n+++ a.py\n@@ -1 +1 @@\n-    old({name})\n+    new({name})\n"
+
+    lines: list[str] = []
+    shown = mutation.show_equivalents(["cache/a.py"], diff_of, lines.append, listing)
+    assert shown == 4  # cache.b's entry is not shown
+    assert lines == [
+        "",
+        "# A.f: first reason,",
+        "# on two lines.",
+        "  cache.a.x_f__mutmut_1",
+        "      -    old(cache.a.x_f__mutmut_1)",
+        "      +    new(cache.a.x_f__mutmut_1)",
+        "  cache.a.x_f__mutmut_2",
+        "      -    old(cache.a.x_f__mutmut_2)",
+        "      +    new(cache.a.x_f__mutmut_2)",
+        "",
+        "# A.g: second reason.",
+        "  cache.a.x_g__mutmut_1",
+        "      -    old(cache.a.x_g__mutmut_1)",
+        "      +    new(cache.a.x_g__mutmut_1)",
+        "",
+        "# A.k: a name mutmut no longer has.",
+        "  cache.a.x_k__mutmut_9",
+        "      -?",
+        "      +? no such mutant now (KeyError: 'cache.a.x_k__mutmut_9')",
+    ]

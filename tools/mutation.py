@@ -39,7 +39,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -270,6 +270,68 @@ def load_equivalent(path: Path = EQUIVALENT) -> set[str]:
     return names
 
 
+def equivalent_reasons(path: Path = EQUIVALENT) -> list[tuple[str, list[str]]]:
+    """Each accepted equivalent with the comment lines of the block it is listed
+    under (its reason), in file order."""
+    if not path.exists():
+        return []
+    entries: list[tuple[str, list[str]]] = []
+    reason: list[str] = []
+    after_name = False
+    for line in path.read_text().splitlines():
+        text = line.strip()
+        if not text:
+            reason, after_name = [], False
+        elif text.startswith("#"):
+            if after_name:  # a new reason right after the previous block's names
+                reason, after_name = [], False
+            reason.append(text)
+        else:
+            entries.append((text.split("#", 1)[0].strip(), list(reason)))
+            after_name = True
+    return entries
+
+
+def show_equivalents(
+    paths: Sequence[str],
+    diff_of: Callable[[str], str],
+    out: Callable[[str], object] = print,
+    listing: Path = EQUIVALENT,
+) -> int:
+    """Print each accepted equivalent of `paths` under its reason, with the diff its
+    name gives now (`diff_of`, mutmut's; needs `mutants/` from a run): an entry
+    names a mutant by function and number, and an edit to the function renumbers
+    its mutants, so read the diffs against the reasons after any such edit.
+    Returns how many entries were shown."""
+    modules = tuple(mutant_glob(p)[:-1] for p in paths)
+    shown = 0
+    last: list[str] | None = None
+    for name, reason in equivalent_reasons(listing):
+        if not name.startswith(modules):
+            continue
+        if reason != last:
+            out("")
+            for text in reason:
+                out(text)
+            last = reason
+        out(f"  {name}")
+        try:
+            diff = diff_of(name)
+        except Exception as exc:  # a name mutmut no longer has: stale for sure
+            diff = f"-?\n+? no such mutant now ({type(exc).__name__}: {exc})"
+        for change in diff.splitlines():
+            if change[:1] in "+-" and not change.startswith(("---", "+++")):
+                out(f"      {change}")
+        shown += 1
+    return shown
+
+
+def _mutmut_diff(name: str) -> str:  # pragma: no cover - needs a mutmut run's mutants/
+    from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+
+    return str(get_diff_for_mutant(name, path=find_mutant(name).path))
+
+
 def score_file(path: str, exit_codes: dict[str, int | None], equivalent: set[str]) -> FileScore:
     """Classify every mutant of one file by mutmut's exit code."""
     result = FileScore(path)
@@ -363,10 +425,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="give records made before code digests theirs, where the file is unchanged",
     )
+    parser.add_argument(
+        "--show-equivalents",
+        action="store_true",
+        help="print each accepted equivalent's reason and its mutant's diff now (after a run)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="list surviving mutants")
     args = parser.parse_args(argv)
     if args.record and args.recorded:
         parser.error("--record keeps a run's results; --recorded reads them back: pick one")
+    if args.show_equivalents:
+        os.chdir(ROOT)  # mutmut reads its configuration and mutants/ from here
+        show_equivalents(args.paths or core_paths(), _mutmut_diff)
+        return 0
     if args.rekey:
         rekeyed = rekey_record(ROOT, RECORD)
         print(f"rekeyed {len(rekeyed)} file(s) in {RECORD.relative_to(ROOT)}")
