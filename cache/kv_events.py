@@ -327,39 +327,29 @@ def _fast_wire(items: list[Event | StoredRun], arrays: list[bytes], legacy: bool
     wire: list[object] = []
     append = wire.append
     for e in items:
-        if type(e) is tuple:  # a stored run (`cache.event_log.stored_event`)
+        if type(e) is tuple:  # a stored run: the fields of the event it builds
             parent, hashes, _, _, size, namespace = e
+            tokens: object = msgspec.Raw(next(raw))
             extra = plain_extra_keys(namespace, len(hashes))
-            append(
-                stored(
-                    hashes,
-                    None if parent is None else parent & MASK64,
-                    msgspec.Raw(next(raw)),  # type: ignore[arg-type]  # an array all the same
-                    size,
-                    None,
-                    MEDIUM_GPU,
-                    namespace or None,
-                    None if extra is None else list(extra),
-                    KV_GROUP,
-                    KIND_FULL_ATTENTION,
-                )
-            )
+            medium, group, kind, lora = MEDIUM_GPU, KV_GROUP, KIND_FULL_ATTENTION, None
         elif type(e) is BlockStored:
             hashes, _, parent, ids, size, namespace, medium, group, kind, extra, lora = e
-            append(
-                stored(
-                    hashes,
-                    None if parent is None else parent & MASK64,
-                    msgspec.Raw(next(raw)) if type(ids) is PackedTokens else ids,  # type: ignore[arg-type]
-                    size,
-                    lora,
-                    medium,
-                    namespace or None,
-                    None if extra is None else list(extra),
-                    group,
-                    kind,
-                )
-            )
+            tokens = msgspec.Raw(next(raw)) if type(ids) is PackedTokens else ids
         else:
             append(to_wire_event(e, legacy=legacy))  # type: ignore[arg-type]
+            continue
+        append(
+            stored(
+                hashes,
+                None if parent is None else parent & MASK64,
+                tokens,  # type: ignore[arg-type]  # Raw or a tuple: an array either way
+                size,
+                lora,
+                medium,
+                namespace or None,
+                None if extra is None else list(extra),
+                group,
+                kind,
+            )
+        )
     return wire
