@@ -175,6 +175,11 @@ def holds(rec: Recorded, file: str, root: Path = ROOT) -> bool:
     return bool(rec.code_sha256) and rec.code_sha256 == code_digest(file, root)
 
 
+def _write_record(entries: dict[str, object], path: Path) -> None:
+    """Write the record's entries, sorted by file (one stable layout for diffs)."""
+    path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+
+
 def save_record(
     scores: Sequence[FileScore], root: Path = ROOT, path: Path = RECORD
 ) -> list[FileScore]:
@@ -193,7 +198,7 @@ def save_record(
             "commit": commit,
             "date": today,
         }
-    path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+    _write_record(entries, path)
     return kept
 
 
@@ -211,7 +216,7 @@ def rekey_record(root: Path = ROOT, path: Path = RECORD) -> list[str]:
         if entry["source_sha256"] == source_digest(file, root):
             entry["code_sha256"] = code_digest(file, root)
             rekeyed.append(file)
-    path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
+    _write_record(entries, path)
     return rekeyed
 
 
