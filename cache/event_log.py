@@ -41,7 +41,7 @@ from cache.events import (
     replay,
     replay_views,
 )
-from cache.keys import PackedTokens, joined_tokens, key_packed
+from cache.keys import PackedTokens, joined_tokens, key_extra, key_packed
 
 StoredRun: TypeAlias = tuple[Any, ...]
 # (parent hash | None, block hashes: list[int], token ids: bytes (native uint32),
@@ -112,27 +112,57 @@ class EventLog:
         finally:
             self.enabled = enabled
 
+    def chain_hashes(self, parent: Node, keys: Sequence[Hashable], plain: bool) -> list[int]:
+        """The block hashes of a chain of new blocks under `parent`, parent first:
+        what a commit gives the nodes it attaches (all 0 without a hasher).
+
+        `keys` are the blocks' keys (`cache.keys.block_key`), which carry each
+        block's packed token ids and extra identity; `plain` says every key is
+        its packed token bytes (no extra identity, no injected key hash), which
+        the `xxh3` scheme hashes in one C call per block.
+        """
+        if self.hasher is None:
+            return [0] * len(keys)
+        h = parent.block_hash
+        hashes: list[int] = []
+        append = hashes.append
+        digest = self.plain_digest
+        if plain and digest is not None:
+            for key in keys:
+                h = digest(key, h)  # type: ignore[arg-type]  # plain: bytes
+                append(h)
+            return hashes
+        chain = self.chain_packed
+        namespace = parent.namespace
+        for key in keys:
+            h = chain(h, key_packed(key), key_extra(key), namespace)  # type: ignore[misc]
+            append(h)
+        return hashes
+
     def stored(
         self,
         nodes: Sequence[Node],
+        hashes: list[int],
         keys: Sequence[Hashable],
         blocks: Sequence[int],
+        first: int,
         block_size: int,
     ) -> None:
         """Record the `BlockStored` of a chain of nodes attached by one commit, parent
         first, as a stored run (built when read: `stored_event`).
 
-        `keys[i]` and `blocks[i]` are `nodes[i].key` and `nodes[i].block` (the
-        commit holds them already, in its keys and block table); `blocks` is
-        kept as given, so it must be the caller's own copy (the commit passes a
-        slice). The hashes and the packed token ids are read here, while the
-        commit's nodes and keys are still hot in the CPU's caches.
+        `hashes` are the nodes' block hashes (`chain_hashes`; kept as given);
+        `keys[first + i]` and `blocks[first + i]` are `nodes[i].key` and
+        `nodes[i].block` (the commit's keys and block table, read here, while
+        they are still hot in the CPU's caches).
         """
         if not self.enabled or not nodes:
             return
         parent = nodes[0].parent
         parent_hash = None if parent is None or parent.key is None else parent.block_hash
         namespace = nodes[0].namespace
+        stop = first + len(nodes)
+        keys = keys[first:stop]
         try:  # a key is its packed bytes unless the block has an extra identity or
             # a test injected a key hash (`cache.keys.block_key`)
             tokens = b"".join(keys)  # type: ignore[arg-type]
@@ -140,11 +170,13 @@ class EventLog:
             tokens = b""
         if len(tokens) != 4 * block_size * len(keys):  # not plain uint32 blocks
             self._events.append(
-                _stored_from_nodes(parent_hash, nodes, keys, blocks, block_size, namespace)
+                _stored_from_nodes(
+                    parent_hash, nodes, keys, blocks[first:stop], block_size, namespace
+                )
             )
             return
         self._events.append(
-            (parent_hash, list(map(_block_hash, nodes)), tokens, blocks, block_size, namespace)
+            (parent_hash, hashes, tokens, blocks[first:stop], block_size, namespace)
         )
 
     def removed(self, nodes: Sequence[Node]) -> None:

@@ -47,7 +47,7 @@ from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
 from cache.host_tier import HostTier
-from cache.keys import block_identity, key_packed, request_keys
+from cache.keys import block_identity, request_keys
 from cache.kv_pool import KVBlockPool
 from cache.node import NO_BLOCK, NO_SLOT, Checkpoint, Node, child_of
 from cache.sequence import PinReceipt, RestorePoint, Sequence
@@ -157,8 +157,6 @@ class BlockTrie:
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
         self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
-        self._chain = self._events.chain_packed
-        self._plain_digest = self._events.plain_digest
         self._checkpoints = CheckpointStore(
             self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
@@ -653,6 +651,7 @@ class BlockTrie:
             plain = seq.extra is None and self._key_hash is None
             kv = self._kv
             stored: list[Node] = []
+            hashes: list[int]  # of the new blocks, made at the first
             for i in range(start, full):
                 key = keys[i]
                 children = parent.children  # `Node.child`, inlined
@@ -670,15 +669,15 @@ class BlockTrie:
                     self._evictor.settle(child)
                     child.tick = tick  # [R8]
                 else:  # [R19]
-                    identity = None if plain else block_identity(seq.extra, i)
-                    child = self._attach(parent, key, identity, seq.blocks[i], tick)
+                    if not stored:  # every later block is new too (this one's node has
+                        # no children): hash them all before attaching any
+                        hashes = self._events.chain_hashes(parent, keys[i:full], plain)
+                    child = self._attach(parent, key, seq.blocks[i], tick, hashes[len(stored)])
                     stored.append(child)
                 path.append(child)
                 parent = child
-            # Once a block is attached every later one is new too (its parent has
-            # no children yet), so the stored nodes are the last of `keys`.
-            first = full - len(stored)
-            self._events.stored(stored, keys[first:full], seq.blocks[first:full], size)
+            if stored:  # the last of `keys`
+                self._events.stored(stored, hashes, keys, seq.blocks, full - len(stored), size)
             seq.num_committed_tokens = n
             if host is not None and stored and not self._write_back:
                 self._store(stored)
@@ -796,16 +795,9 @@ class BlockTrie:
         with contextlib.suppress(CacheError):  # a failed store is undone: device-only
             self._transfers.launch(copy, undo)
 
-    def _attach(self, parent: Node, key: Hashable, extra: Hashable, block: int, tick: int) -> Node:
+    def _attach(self, parent: Node, key: Hashable, block: int, tick: int, block_hash: int) -> Node:
         self._kv.incref(block)
         self._node_serial += 1
-        chain = self._chain
-        if chain is None:
-            block_hash = 0
-        elif type(key) is bytes and self._plain_digest is not None:  # a plain block
-            block_hash = self._plain_digest(key, parent.block_hash)
-        else:
-            block_hash = chain(parent.block_hash, key_packed(key), extra, parent.namespace)
         node = child_of(
             parent,
             key=key,
