@@ -54,6 +54,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """Sequence frame that ends a replay answer."""
 
 _POLL_S = 0.02
+_MORE = zmq.NOBLOCK | zmq.SNDMORE
 
 
 def _binds(endpoint: str) -> bool:
@@ -298,10 +299,13 @@ class KVEventPublisher:
 
     def _send(self, seq: int, payload: bytes) -> None:
         """Hand one batch to the PUB socket and keep it for replay; needs `_socket_lock`."""
-        seq_bytes = seq.to_bytes(8, "big")
-        # PUB never blocks: past the HWM, ZMQ drops for that subscriber.
+        # PUB never blocks: past the HWM, ZMQ drops for that subscriber. Three
+        # sends rather than `send_multipart`, which costs three times as much.
+        send = self._pub.send
         with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+            send(self._topic, _MORE)
+            send(seq.to_bytes(8, "big"), _MORE)
+            send(payload, zmq.NOBLOCK)
         self.published_batches += 1
         if self._buffer.maxlen:
             self._buffer.append((seq, payload))
