@@ -5,24 +5,37 @@ events are built there too, one `BlockStored` per commit: together about half
 of what events cost the engine (docs/events.md, "Cost"). This publisher takes
 what `BlockTrie.drain_event_records()` returns, the events *unbuilt*, packs
 each commit's blocks into a few flat buffers (its hashes, block ids and token
-bytes), and pushes that frame, without blocking, to a child process. The child
+bytes), and writes that frame, without blocking, to a child process. The child
 builds the events and publishes them with a `KVEventPublisher` of its own, so
 subscribers get exactly the bytes an in-process publisher would send
 (`encode_batch` of the same events; vLLM's ZMQ wire, sequence numbers and
 replay socket).
 
-Numbering and drops: the engine side numbers every batch. A batch the child
-cannot take in time (its queue of `queue_batches` frames is full) is dropped
-there, counted in `dropped_batches` / `dropped_events` and logged, and its
-number is skipped, so subscribers see the gap. `published_batches` counts the
-batches the child has handed to its PUB socket (it reports as it goes).
+Transport: the child is started with the same interpreter (``python -m
+cache.kv_publisher_process``); frames go down its stdin, each a 4-byte
+little-endian length and the frame, and it reports on its stdout, one JSON
+object per line (first that it is ready, or why its publisher failed; then
+how many batches it has sent). The engine's process runs no ZMQ at all: a
+frame costs it one non-blocking `write` (a ZMQ socket cost it a wake-up of
+its I/O thread per frame, several times the write, on the cores the engine
+and the child share). The child reads without waiting on the pipe while
+frames keep coming (it naps a millisecond between reads), so a write seldom
+has a sleeper to wake; after `_ACTIVE_S` without a frame it waits on the pipe.
+It exits at the end of its stdin: when `close` closes it, or when the
+engine's process is gone (also checked by its parent pid while idle, in case
+another process holds the pipe).
 
-The child is started with the same interpreter (``python -m
-cache.kv_publisher_process``), talks over two ZMQ ``ipc://`` sockets in a
-private temporary directory, and exits when told to (`close`), when the
-engine's process is gone, or when its sockets fail. Binding errors (a port in
-use) are raised by the constructor as `zmq.ZMQError`, as `KVEventPublisher`'s
-are; its bad sizes as `ValueError`.
+Numbering and drops: the engine side numbers every batch. A frame the pipe
+cannot take (the child is behind and the pipe's buffer, 1 MiB where Linux
+allows, is full) waits in the engine, in order, up to `queue_batches` frames,
+and goes with the next call (`publish`, `poll_status`, `wait_published`,
+`close`); a batch past that is dropped there, counted in `dropped_batches` /
+`dropped_events` and logged, and its number is skipped, so subscribers see the
+gap. A batch published after the child has exited is dropped the same way,
+logged as an error. `published_batches` counts the batches the child has
+handed to its PUB socket (it reports whenever it has caught up). Binding
+errors (a port in use) are raised by the constructor as `zmq.ZMQError`, as
+`KVEventPublisher`'s are; its bad sizes as `ValueError`.
 
 Frame (msgpack): ``[seq, ts, items]``; an item is ``[0, parent_hash,
 block_size, namespace, hashes, block_ids, tokens]`` for a commit's stored
@@ -39,19 +52,21 @@ engine one small list and msgpack's copy of what the commit recorded.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import pickle
-import shutil
+import select
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import zmq
@@ -74,7 +89,16 @@ log = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
 _STORED, _REMOVED, _OTHER = 0, 1, 2
-_STOP = b""
+_HEADER = 4
+"""Bytes of a frame's length on the pipe (little-endian)."""
+_PIPE_BYTES = 1 << 20
+"""The pipe buffer asked for (Linux's default limit for an unprivileged process)."""
+_ACTIVE_S = 0.05
+"""The child keeps reading without waiting on the pipe this long after a frame."""
+_NAP_S = 0.001
+"""... napping this long between reads that find nothing."""
+_IDLE_S = 0.1
+"""Idle, the child waits on the pipe this long before checking its parent pid."""
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
@@ -153,8 +177,8 @@ def decode_frame(frame: bytes) -> tuple[int, float, list[Event]]:
 class ProcessEventPublisher:
     """`KVEventPublisher`'s interface, with building, encoding and sending in a child
     process (see the module docstring). The arguments are `KVEventPublisher`'s;
-    `queue_batches` bounds the frames waiting for the child, and `start_timeout`
-    how long the child may take to start and bind.
+    `queue_batches` bounds the frames waiting in the engine for room in the pipe,
+    and `start_timeout` how long the child may take to start and bind.
 
     `publish` takes what `BlockTrie.drain_event_records()` returns (or a list of
     events) and never blocks. Not thread-safe: one engine thread publishes.
@@ -180,44 +204,41 @@ class ProcessEventPublisher:
         self.published_batches = 0
         """Batches the child has handed to its PUB socket (as last reported)."""
         self.dropped_batches = 0
-        """Batches dropped because the child's queue was full (also logged)."""
+        """Batches dropped: no room for them in the engine, or the child had exited
+        (also logged)."""
         self.dropped_events = 0
         """Events in the dropped batches."""
         self._next_seq = 0
         self._closed = False
-        self._dir = tempfile.mkdtemp(prefix="blocktrie-events-")
-        self._ctx = zmq.Context()
-        self._frames: zmq.Socket[bytes] = self._ctx.socket(zmq.PUSH)
-        self._status: zmq.Socket[bytes] = self._ctx.socket(zmq.PULL)
+        self._queue_batches = queue_batches
+        # Frames the pipe had no room for, in order, with their event counts; the
+        # first may be partly written (its rest must go before anything else).
+        self._backlog: deque[tuple[memoryview, int]] = deque()
+        self._status_tail = b""  # a report line not yet complete
         self._proc: subprocess.Popen[bytes] | None = None
+        config = {
+            "parent": os.getpid(),
+            "endpoint": endpoint,
+            "replay_endpoint": replay_endpoint,
+            "topic": topic,
+            "buffer_batches": buffer_batches,
+            "data_parallel_rank": data_parallel_rank,
+            "queue_batches": queue_batches,
+            "legacy": legacy,
+            "hwm": hwm,
+        }
         try:
-            self._frames.setsockopt(zmq.SNDHWM, queue_batches)
-            self._frames.setsockopt(zmq.LINGER, 0)
-            self._status.setsockopt(zmq.LINGER, 0)
-            frames_ep = f"ipc://{self._dir}/frames"
-            status_ep = f"ipc://{self._dir}/status"
-            self._frames.bind(frames_ep)
-            self._status.bind(status_ep)
-            config = {
-                "frames": frames_ep,
-                "status": status_ep,
-                "parent": os.getpid(),
-                "endpoint": endpoint,
-                "replay_endpoint": replay_endpoint,
-                "topic": topic,
-                "buffer_batches": buffer_batches,
-                "data_parallel_rank": data_parallel_rank,
-                "queue_batches": queue_batches,
-                "legacy": legacy,
-                "hwm": hwm,
-            }
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "cache.kv_publisher_process", json.dumps(config)],
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
             )
-            self._finalizer = weakref.finalize(
-                self, _reap, self._proc, self._dir, self._ctx, self._frames, self._status
-            )
+            self._finalizer = weakref.finalize(self, _reap, self._proc)
+            self._frames = _fileno(self._proc.stdin)
+            self._status = _fileno(self._proc.stdout)
+            _grow_pipe(self._frames)
+            os.set_blocking(self._frames, False)
+            os.set_blocking(self._status, False)
             ready = self._wait_status(start_timeout)
             if "error" in ready:  # what the child's KVEventPublisher raised
                 message = f"ProcessEventPublisher: {ready['error']}"
@@ -229,59 +250,127 @@ class ProcessEventPublisher:
             if hasattr(self, "_finalizer"):  # the child was started: reap it once
                 self._finalizer()
             else:
-                _reap(self._proc, self._dir, self._ctx, self._frames, self._status)
+                _reap(self._proc)
             raise
         self.endpoint: str = ready["endpoint"]
         self.replay_endpoint: str | None = ready["replay_endpoint"]
 
     def _wait_status(self, timeout: float) -> dict[str, Any]:
-        """The child's first status message (it reports readiness or why it failed)."""
+        """The child's first report (it reports readiness or why it failed)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._status.poll(100):
-                message: dict[str, Any] = json.loads(self._status.recv())
-                return message
+        while True:
+            reports = self._reports()
+            if reports:
+                return reports[0]
             if self._proc is not None and self._proc.poll() is not None:
                 raise RuntimeError(
                     f"ProcessEventPublisher: the encoder process exited ({self._proc.returncode})"
                 )
-        raise TimeoutError(
-            f"ProcessEventPublisher: the encoder process did not start in {timeout} s"
-        )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"ProcessEventPublisher: the encoder process did not start in {timeout} s"
+                )
+            select.select([self._status], [], [], min(left, 0.1))
+
+    def _reports(self) -> list[dict[str, Any]]:
+        """The complete reports the child has written since the last call (never blocks)."""
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(self._status, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:  # the child has closed its end
+                break
+            chunks.append(chunk)
+        if not chunks:
+            return []
+        *lines, self._status_tail = (self._status_tail + b"".join(chunks)).split(b"\n")
+        return [json.loads(line) for line in lines]
 
     def publish(self, batch: EventRecords | Sequence[Event], *, ts: float | None = None) -> bool:
-        """Hand one batch to the child; False when it was dropped (the child's queue
-        is full, or the child has exited: logged as an error). Never blocks. An
-        empty batch is not sent (returns True). Raises `RuntimeError` after
-        `close`, `TypeError` for an object that is not a batch."""
+        """Hand one batch to the child; False when it was dropped (no room for it in the
+        engine, or the child has exited: logged as an error). Never blocks. An empty
+        batch is not sent (returns True), but frames waiting for room go first, as with
+        any call. Raises `RuntimeError` after `close`, `TypeError` for an object that
+        is not a batch."""
         if self._closed:
             raise RuntimeError("ProcessEventPublisher is closed")
         if not isinstance(batch, (EventRecords, list, tuple)):
             raise TypeError(
                 f"publish takes EventRecords or a list of events, got {type(batch).__name__}"
             )
+        proc = self._proc
+        exited = proc is None or proc.poll() is not None
+        try:
+            self._flush()  # having exited, its end is closed: what waits is dropped
+        except BrokenPipeError:
+            exited = True
         if not batch:
             return True
         seq = self._next_seq
         self._next_seq += 1
-        proc = self._proc
-        exited = proc is None or proc.poll() is not None
         if not exited:
             frame = encode_frame(batch, seq=seq, ts=ts)
             try:
-                self._frames.send(frame, zmq.NOBLOCK, copy=False)
+                if self._send(len(frame).to_bytes(_HEADER, "little") + frame, len(batch)):
+                    return True
+            except BrokenPipeError:
+                exited = True
+        self._dropped(seq, len(batch), proc if exited else None)
+        return False
+
+    def _send(self, data: bytes, events: int) -> bool:
+        """Write a frame, or keep it (or the rest of it) for later; False when the
+        frames waiting for room are already `queue_batches`."""
+        if not self._backlog:
+            try:
+                written = os.write(self._frames, data)
+            except BlockingIOError:
+                written = 0
+            if written == len(data):
                 return True
-            except zmq.Again:
-                pass
+            if written:  # its rest must follow before anything else
+                self._backlog.append((memoryview(data)[written:], events))
+                return True
+        if len(self._backlog) >= self._queue_batches:
+            return False
+        self._backlog.append((memoryview(data), events))
+        return True
+
+    def _flush(self) -> None:
+        """Write the frames waiting for room, in order, as far as the pipe takes them.
+        Raises `BrokenPipeError` when the child's end is closed, having dropped them."""
+        backlog = self._backlog
+        while backlog:
+            data, events = backlog[0]
+            try:
+                written = os.write(self._frames, data)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:
+                for _, lost in backlog:  # accepted, never delivered: dropped after all
+                    self.dropped_batches += 1
+                    self.dropped_events += lost
+                backlog.clear()
+                raise
+            if written < len(data):
+                backlog[0] = (data[written:], events)
+                return
+            backlog.popleft()
+
+    def _dropped(self, seq: int, events: int, exited: subprocess.Popen[bytes] | None) -> None:
+        """Count and log (the 1st, 2nd, 4th, 8th... time) a dropped batch."""
         self.dropped_batches += 1
-        self.dropped_events += len(batch)
+        self.dropped_events += events
         n = self.dropped_batches
         if n & (n - 1) == 0:
-            if exited:
+            if exited is not None:
                 log.error(
                     "KV event encoder process exited (%s): dropped batch %d (%d batches / "
                     "%d events dropped so far)",
-                    None if proc is None else proc.returncode,
+                    exited.poll(),
                     seq,
                     n,
                     self.dropped_events,
@@ -294,40 +383,63 @@ class ProcessEventPublisher:
                     n,
                     self.dropped_events,
                 )
-        return False
+
+    @property
+    def queued_batches(self) -> int:
+        """Frames waiting in the engine for room in the pipe."""
+        return len(self._backlog)
 
     def poll_status(self) -> int:
-        """Read the child's reports; returns `published_batches`."""
-        while self._status.poll(0):
-            report = json.loads(self._status.recv())
+        """Hand the child what waits for room, read its reports; returns
+        `published_batches`."""
+        if not self._closed:
+            with contextlib.suppress(BrokenPipeError):
+                self._flush()
+        for report in self._reports():
             self.published_batches = max(self.published_batches, int(report.get("sent", 0)))
         return self.published_batches
 
     def wait_published(self, batches: int, timeout: float = 10.0) -> bool:
-        """Wait until the child has published `batches` batches; False on timeout."""
+        """Wait until the child has published `batches` batches; False on timeout, or
+        at once when the child has exited."""
         deadline = time.monotonic() + timeout
         while self.poll_status() < batches:
-            if time.monotonic() >= deadline or self._proc is None or self._proc.poll() is not None:
+            proc = self._proc
+            if (
+                self._closed
+                or time.monotonic() >= deadline
+                or proc is None
+                or proc.poll() is not None
+            ):
                 return False
-            self._status.poll(10)
+            writable = [self._frames] if self._backlog else []
+            select.select([self._status], writable, [], 0.01)
         return True
 
     def close(self, timeout: float = 2.0) -> None:
-        """Let the child send what it holds (for up to `timeout` s), then stop it and
-        close the sockets. Idempotent."""
+        """Hand the child what waits for room (for up to `timeout` s), end its stdin,
+        let it send what it holds and exit (for up to `timeout` s more), then reap it.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            self._frames.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
-            with contextlib.suppress(zmq.ZMQError):
-                self._frames.send(_STOP)
+            deadline = time.monotonic() + timeout
+            with contextlib.suppress(BrokenPipeError):
+                while True:
+                    self._flush()
+                    left = deadline - time.monotonic()
+                    if not self._backlog or left <= 0:
+                        break
+                    select.select([], [self._frames], [], min(left, 0.1))
+            with contextlib.suppress(OSError):
+                _close_stream(proc.stdin)  # the end of its stdin: its STOP
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.error("KV event encoder process did not stop within %.1f s", timeout)
-        with contextlib.suppress(zmq.ZMQError):
+        with contextlib.suppress(OSError):
             self.poll_status()
         self._finalizer()
 
@@ -343,39 +455,78 @@ class ProcessEventPublisher:
         self.close()
 
 
-def _reap(
-    proc: subprocess.Popen[bytes] | None,
-    directory: str,
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    *sockets: zmq.Socket[bytes],
-) -> None:
-    """Stop the child if it still runs, close the sockets, remove the directory."""
-    if proc is not None and proc.poll() is None:
+def _fileno(stream: IO[bytes] | None) -> int:
+    if stream is None:  # pragma: no cover - Popen made both pipes
+        raise RuntimeError("ProcessEventPublisher: the encoder process has no pipe")
+    return stream.fileno()
+
+
+def _close_stream(stream: IO[bytes] | None) -> None:
+    if stream is not None:
+        stream.close()
+
+
+def _grow_pipe(fd: int) -> None:
+    """Ask for a `_PIPE_BYTES` pipe buffer (Linux; elsewhere, or past the system's
+    limit, the pipe keeps its default size)."""
+    setpipe = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if setpipe is not None:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, setpipe, _PIPE_BYTES)
+
+
+def _reap(proc: subprocess.Popen[bytes] | None) -> None:
+    """Stop the child if it still runs and close its pipes."""
+    if proc is None:
+        return
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(2.0)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    for sock in sockets:
-        sock.close(linger=0)
-    ctx.term()
-    shutil.rmtree(directory, ignore_errors=True)
+    for stream in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            _close_stream(stream)
 
 
 # ----------------------------------------------------------------------- child
 
 
+def _report(fd: int, report: dict[str, Any]) -> bool:
+    """Write one report line; False when the pipe refuses it (full: nobody reads;
+    or closed: the engine is gone). A line under 4 KiB is written whole or not at all."""
+    try:
+        os.write(fd, json.dumps(report).encode() + b"\n")
+    except OSError:
+        return False
+    return True
+
+
+def _take_frames(pending: bytearray) -> list[bytes]:
+    """The complete frames at the start of `pending`, removed from it."""
+    frames = []
+    at = 0
+    while len(pending) - at >= _HEADER:
+        end = at + _HEADER + int.from_bytes(pending[at : at + _HEADER], "little")
+        if end > len(pending):
+            break
+        frames.append(bytes(pending[at + _HEADER : end]))
+        at = end
+    del pending[:at]
+    return frames
+
+
 def _child(config: dict[str, Any]) -> int:
-    """The encoder process: frames in, `KVEventPublisher` out, status reports back."""
+    """The encoder process: frames in (`frames_fd`, stdin by default), `KVEventPublisher`
+    out, reports back (`status_fd`, stdout by default)."""
     from cache.kv_publisher import KVEventPublisher
 
-    ctx = zmq.Context()
-    frames = ctx.socket(zmq.PULL)
-    status = ctx.socket(zmq.PUSH)
-    status.setsockopt(zmq.LINGER, 1000)
-    frames.connect(config["frames"])
-    status.connect(config["status"])
+    frames = config.get("frames_fd", 0)
+    status = config.get("status_fd", 1)
+    os.set_blocking(frames, False)
+    os.set_blocking(status, False)  # a report the full pipe refuses is tried again later
     try:
         publisher = KVEventPublisher(
             config["endpoint"],
@@ -391,44 +542,55 @@ def _child(config: dict[str, Any]) -> int:
         report: dict[str, object] = {"error": str(exc), "type": type(exc).__name__}
         if isinstance(exc, zmq.ZMQError):
             report["errno"] = exc.errno
-        status.send(json.dumps(report).encode())
-        frames.close(linger=0)  # every socket closed, or `term` waits for it forever
-        status.close()
-        ctx.term()
+        _report(status, report)
         return 2
-    status.send(
-        json.dumps(
-            {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
-        ).encode()
-    )
+    _report(status, {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint})
     parent = config["parent"]
     reported = 0
+    pending = bytearray()
+    active_until = 0.0
     try:
         while True:
-            if frames.poll(100):
-                frame = frames.recv()
-                if frame == _STOP:
-                    break
-                seq, ts, events = decode_frame(frame)
-                publisher.publish(events, ts=ts, seq=seq)
-            elif os.getppid() != parent:  # the engine's process is gone
+            try:
+                chunk = os.read(frames, _PIPE_BYTES)
+            except BlockingIOError:
+                chunk = None
+            if chunk == b"":  # the engine ended its stream (close), or is gone
                 break
-            # Report what was sent, by this loop or since by the publisher's thread.
-            # A report the full pipe refuses (nobody reads) is tried again later.
+            if chunk:
+                pending += chunk
+                for frame in _take_frames(pending):
+                    seq, ts, events = decode_frame(frame)
+                    publisher.publish(events, ts=ts, seq=seq)
+                active_until = time.monotonic() + _ACTIVE_S
+                continue  # more may be waiting
+            # Caught up: report what was sent, by this loop or since by the
+            # publisher's thread.
             sent = publisher.published_batches
-            if sent != reported:
-                with contextlib.suppress(zmq.Again):
-                    status.send(json.dumps({"sent": sent}).encode(), zmq.NOBLOCK)
-                    reported = sent
+            if sent != reported and _report(status, {"sent": sent}):
+                reported = sent
+            if time.monotonic() < active_until:
+                time.sleep(_NAP_S)  # not waiting on the pipe: a write wakes nobody
+            elif not select.select([frames], [], [], _IDLE_S)[0] and os.getppid() != parent:
+                break  # the engine's process is gone (and another holds the pipe)
     finally:
         publisher.close()
-        with contextlib.suppress(zmq.Again):
-            status.send(json.dumps({"sent": publisher.published_batches}).encode(), zmq.NOBLOCK)
-        frames.close(linger=0)
-        status.close()
-        ctx.term()
+        _report(status, {"sent": publisher.published_batches})
     return 0
 
 
+def _main(argv: list[str]) -> int:
+    """``python -m cache.kv_publisher_process CONFIG``: the child as the engine starts it."""
+    config = json.loads(argv[1])
+    if "status_fd" not in config:  # stdout carries the reports: nothing else may
+        config["status_fd"] = os.dup(1)
+        os.dup2(2, 1)
+    # Ctrl-C in the engine's terminal reaches the whole process group: the engine
+    # decides, and the child ends with its stdin.
+    with contextlib.suppress(ValueError):  # not the main thread (a test runs it in one)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return _child(config)
+
+
 if __name__ == "__main__":
-    sys.exit(_child(json.loads(sys.argv[1])))
+    sys.exit(_main(sys.argv))

@@ -5,8 +5,9 @@ What must hold: the records build exactly the events `drain_events` returns
 (and `check()` sees them drained); a frame carries a batch to the child with
 the same wire bytes (`encode_batch`) for every kind of event — commits with
 and without a namespace, extra identities, 64-bit ids, evictions, clears,
-checkpoints, the host tier, `vllm` hashes; and the publisher delivers those
-bytes over ZMQ in order, numbered, never blocking, counting what it drops.
+checkpoints, the host tier, `vllm` hashes; and the publisher hands frames to
+its child down a pipe and the child delivers those bytes over ZMQ, in order,
+numbered, the engine never blocking and counting what it drops.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import logging
 import os
 import re
 import runpy
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -256,6 +257,18 @@ def test_an_empty_batch_is_not_sent_and_bad_batches_are_refused(
     assert publisher.poll_status() == 0
 
 
+def _fill(pub: ProcessEventPublisher, refusals: int = 50, limit: int = 400_000) -> list[bool]:
+    """Publish one-event batches to a stalled child until `refusals` in a row are
+    dropped (its pipe is full and `queue_batches` frames wait in the engine)."""
+    results: list[bool] = []
+    refused = 0
+    while refused < refusals:
+        assert len(results) < limit, "the pipe never filled"
+        results.append(pub.publish([AllBlocksCleared()]))
+        refused = 0 if results[-1] else refused + 1
+    return results
+
+
 def test_a_stalled_encoder_drops_and_counts_never_blocking(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -263,18 +276,15 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking(
     try:
         assert pub._proc is not None
         pub._proc.send_signal(signal.SIGSTOP)  # the child takes nothing more
-        trie = BlockTrie(_config(num_blocks=400))
-        results = []
         t0 = time.monotonic()
         with caplog.at_level("WARNING", logger="cache.kv_publisher_process"):
-            for r in range(200):
-                _run(trie, [([r, r + 1, r + 2], "", None, "keep")])
-                results.append(pub.publish(trie.drain_event_records()))
+            results = _fill(pub, refusals=200)
         assert time.monotonic() - t0 < 30
-        assert not all(results)
-        assert pub.dropped_batches == results.count(False)
-        assert pub.dropped_events == pub.dropped_batches  # one BlockStored per batch
+        assert pub.queued_batches == 1  # what the full pipe refused, waiting in order
+        assert pub.dropped_batches == results.count(False) >= 200
+        assert pub.dropped_events == pub.dropped_batches  # one event per batch
         first = results.index(False)
+        assert all(results[:first]) and results[first:] == [False] * len(results[first:])
         assert caplog.records[0].getMessage() == (
             f"KV event encoder process is behind: dropped batch {first} (1 batches / 1 events "
             "dropped so far); subscribers will see a sequence gap"
@@ -283,11 +293,35 @@ def test_a_stalled_encoder_drops_and_counts_never_blocking(
         assert logged == [2**k for k in range(len(logged))]  # the 1st, 2nd, 4th, ... drop
         assert logged[-1] <= pub.dropped_batches < 2 * logged[-1]
         pub._proc.send_signal(signal.SIGCONT)
+        assert pub.wait_published(first)  # every batch not dropped gets there
+        assert pub.queued_batches == 0
     finally:
         pub.close()
     with pytest.raises(RuntimeError, match=r"^ProcessEventPublisher is closed$"):
         pub.publish([])
     pub.close()  # idempotent
+
+
+def test_a_frame_larger_than_the_pipe_goes_whole_and_in_order() -> None:
+    """A frame the pipe takes only part of keeps its place: its rest goes first, on
+    the next calls, and no other frame is written into the middle of it."""
+    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
+    try:
+        assert pub._proc is not None
+        pub._proc.send_signal(signal.SIGSTOP)
+        big = [AllBlocksCleared()] * 60_000  # a frame of several MiB
+        assert len(encode_frame(big, seq=0)) > 2 * (1 << 20)
+        assert pub.publish(big)  # written in part; the rest waits
+        assert pub.queued_batches == 1
+        assert not pub.publish([AllBlocksCleared()])  # no room behind it: dropped
+        assert (pub.dropped_batches, pub.dropped_events) == (1, 1)
+        pub._proc.send_signal(signal.SIGCONT)
+        assert pub.wait_published(1, timeout=30)  # its rest handed over by the waiting
+        assert pub.publish([AllBlocksCleared(), AllBlocksCleared()])
+        assert pub.wait_published(2, timeout=30)
+        assert pub.queued_batches == 0 and pub.dropped_batches == 1
+    finally:
+        pub.close()
 
 
 def test_batches_the_engine_side_dropped_are_a_gap_subscribers_see() -> None:
@@ -302,7 +336,7 @@ def test_batches_the_engine_side_dropped_are_a_gap_subscribers_see() -> None:
             assert time.monotonic() < deadline, "the subscriber never joined"
             pub.publish([AllBlocksCleared()])
         pub._proc.send_signal(signal.SIGSTOP)
-        results = [pub.publish([AllBlocksCleared()]) for _ in range(5_000)]
+        results = _fill(pub)
         assert not all(results)
         pub._proc.send_signal(signal.SIGCONT)
         while True:  # until the child has room again
@@ -339,20 +373,35 @@ def test_a_dead_encoder_drops_and_logs_an_error(caplog: pytest.LogCaptureFixture
             f"KV event encoder process exited ({-signal.SIGKILL}): dropped batch 0 (1 batches "
             "/ 1 events dropped so far)"
         ]
-        sent: list[bytes] = []
-        frames = pub._frames
+        caplog.clear()
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="cache.kv_publisher_process"):
+            pub.close()  # nothing to hand a dead child, nothing to wait for
+        assert time.monotonic() - t0 < 5
+        assert caplog.records == []
+        assert pub._proc.stdin is not None and pub._proc.stdin.closed
 
-        class _Recording:  # close() must not wait to hand a STOP to a dead child
-            def send(self, frame: bytes, *args: Any, **kwargs: Any) -> None:
-                sent.append(frame)
-                frames.send(frame, *args, **kwargs)
 
-            def setsockopt(self, *args: Any) -> None:
-                frames.setsockopt(*args)
-
-        pub._frames = _Recording()  # type: ignore[assignment]
+def test_frames_waiting_for_a_child_that_dies_are_counted_as_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Batches `publish` accepted but could not yet write (the pipe was full) never
+    reach a child that has died: they count as dropped, with the one refused then."""
+    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=3)
+    try:
+        assert pub._proc is not None
+        pub._proc.send_signal(signal.SIGSTOP)
+        results = _fill(pub, refusals=1)
+        assert pub.queued_batches == 3 and pub.dropped_batches == 1
+        pub._proc.kill()
+        pub._proc.wait()
+        with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
+            assert not pub.publish([AllBlocksCleared(), AllBlocksCleared()])
+        assert pub.queued_batches == 0
+        assert (pub.dropped_batches, pub.dropped_events) == (5, 6)
+        assert pub.wait_published(len(results)) is False  # gone: not waited for
+    finally:
         pub.close()
-        assert sent == []
 
 
 def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
@@ -396,21 +445,16 @@ def test_the_child_is_given_kv_event_publishers_defaults(
 
 
 def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A child that is behind (its queue full) still gets the STOP once it catches up
-    within `timeout`, and exits by itself: nothing logged, nothing killed, and the
-    sockets' directory removed."""
-    dirs = _record_dirs(monkeypatch)
+    """A child that is behind (its pipe full) still gets what waits and the end of its
+    stdin once it catches up within `timeout`, and exits by itself: nothing logged,
+    nothing killed, its pipes closed."""
     pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=1)
-    assert len(dirs) == 1 and os.path.isdir(dirs[0])
     proc = pub._proc
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)
-    refused = 0
-    while refused < 50:  # its queue is full, the socket's buffers too: no room
-        refused = 0 if pub.publish([AllBlocksCleared()]) else refused + 1
-        time.sleep(0.001)
+    _fill(pub)  # the pipe is full, and a frame waits in the engine: no room
     resume = threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,))
     resume.start()
     with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
@@ -418,19 +462,20 @@ def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
     resume.join()
     assert proc.returncode == 0
     assert [r.message for r in caplog.records if r.levelno >= logging.ERROR] == []
-    assert not os.path.exists(dirs[0])
+    assert pub.queued_batches == 0  # handed over before its stdin was ended
+    assert proc.stdin is not None and proc.stdin.closed
+    assert proc.stdout is not None and proc.stdout.closed
 
 
 # ------------------------------------------------- the child's loop, in this process
 #
 # `ProcessEventPublisher` runs `_child(config)` in another process, where neither
 # coverage nor mutmut sees it. These tests run it in a thread of the test process,
-# wired as the parent wires it: a PUSH socket for frames and a PULL socket for its
-# reports, bound on ipc:// in a private directory, and a config like the parent's.
+# wired as the parent wires it: a pipe for frames (the child's stdin in its own
+# process) and a pipe for its reports (its stdout), and a config like the parent's.
 
 LOOP = "tcp://127.0.0.1:*"
 WAIT_MS = 10_000
-STOP = b""  # the frame `close` sends: the child publishes what it holds, then exits
 TCP = re.compile(r"tcp://127\.0\.0\.1:\d+")
 Ctx = zmq.Context[zmq.Socket[bytes]]
 CHILD_THREAD = "in-process-encoder"
@@ -442,22 +487,18 @@ class _Child:
     engine's process dies and the child is re-parented."""
 
     def __init__(
-        self, directory: str, monkeypatch: pytest.MonkeyPatch, *, main: bool = False, **config: Any
+        self, monkeypatch: pytest.MonkeyPatch, *, main: bool = False, **config: Any
     ) -> None:
-        self.ctx: Ctx = zmq.Context()
-        self.frames = self.ctx.socket(zmq.PUSH)
-        self.status = self.ctx.socket(zmq.PULL)
-        self.frames.setsockopt(zmq.LINGER, 0)
-        self.frames.setsockopt(zmq.SNDTIMEO, WAIT_MS)
-        self.status.setsockopt(zmq.LINGER, 0)
-        self.frames.bind(f"ipc://{directory}/frames")
-        self.status.bind(f"ipc://{directory}/status")
+        self.frames_in, self.frames = os.pipe()  # the child reads, the test writes
+        self.status, self.status_out = os.pipe()  # the child writes, the test reads
+        self._tail = b""
+        self._lines: list[bytes] = []
         parent = os.getppid()
         self.parent_gone = threading.Event()
         monkeypatch.setattr(os, "getppid", lambda: -1 if self.parent_gone.is_set() else parent)
         self.config: dict[str, Any] = {
-            "frames": f"ipc://{directory}/frames",
-            "status": f"ipc://{directory}/status",
+            "frames_fd": self.frames_in,
+            "status_fd": self.status_out,
             "parent": parent,
             "endpoint": LOOP,
             "replay_endpoint": None,
@@ -488,26 +529,52 @@ class _Child:
             self.returned.append(exc.code)
 
     def send(self, frame: bytes) -> None:
-        self.frames.send(frame)
+        """Write one frame as the parent does (its length, then the frame), waiting
+        for room."""
+        data = memoryview(len(frame).to_bytes(4, "little") + frame)
+        while data:
+            data = data[os.write(self.frames, data) :]
+
+    def stop(self) -> None:
+        """End the child's stdin, as `close` does: it publishes what it holds and exits."""
+        os.close(self.frames)
+        self.frames = -1
+
+    def _line(self, ms: int) -> bytes | None:
+        """The next report line, waiting up to `ms` for it; None if none comes."""
+        deadline = time.monotonic() + ms / 1000
+        while not self._lines:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.status], [], [], left)[0]:
+                return None
+            chunk = os.read(self.status, 1 << 16)
+            if not chunk:  # the child's end is closed
+                return None
+            *lines, self._tail = (self._tail + chunk).split(b"\n")
+            self._lines.extend(lines)
+        return self._lines.pop(0)
 
     def report(self) -> dict[str, Any]:
         """The child's next status report (fails after `WAIT_MS`)."""
-        assert self.status.poll(WAIT_MS), "the child sent no status report"
-        report: dict[str, Any] = json.loads(self.status.recv())
+        line = self._line(WAIT_MS)
+        assert line is not None, "the child sent no status report"
+        report: dict[str, Any] = json.loads(line)
         return report
 
     def sent_reports_until(self, sent: int) -> list[int]:
-        """The `sent` counts the child reports, up to and including `sent`."""
+        """The `sent` counts the child reports, up to and including `sent` (it reports
+        each time it has caught up, so several frames may share one report)."""
         counts: list[int] = []
         while not counts or counts[-1] < sent:
             report = self.report()
             assert set(report) == {"sent"}, report
             counts.append(report["sent"])
+        assert counts == sorted(set(counts)), counts
         return counts
 
     def quiet(self, ms: int = 300) -> bool:
         """No report comes within `ms`."""
-        return not self.status.poll(ms)
+        return self._line(ms) is None
 
     def exit_code(self) -> int:
         """What `_child` returned (fails if it has not returned within `WAIT_MS`)."""
@@ -518,29 +585,21 @@ class _Child:
     def close(self) -> None:
         if self.thread.is_alive():  # a failed test: take both ways out of the loop
             self.parent_gone.set()
-            with contextlib.suppress(zmq.ZMQError):
-                self.frames.send(STOP, zmq.NOBLOCK)
+            if self.frames >= 0:
+                self.stop()
             self.thread.join(WAIT_MS / 1000)
-        self.frames.close(linger=0)
-        self.status.close(linger=0)
-        self.ctx.term()
+        for fd in (self.frames, self.frames_in, self.status, self.status_out):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 @pytest.fixture
-def ipc_dir() -> Iterator[str]:
-    """A short private directory for ipc:// endpoints (a socket path must fit in
-    108 bytes, which pytest's `tmp_path` plus a long test name can exceed)."""
-    directory = tempfile.mkdtemp(prefix="bt-ipc-")
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-def start_child(ipc_dir: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., _Child]]:
+def start_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., _Child]]:
     started: list[_Child] = []
 
     def start(**config: Any) -> _Child:
-        child = _Child(ipc_dir, monkeypatch, **config)
+        child = _Child(monkeypatch, **config)
         started.append(child)
         return child
 
@@ -561,8 +620,7 @@ def _sub_socket(ctx: Ctx) -> zmq.Socket[bytes]:
 def _join(child: _Child, sub: zmq.Socket[bytes]) -> int:
     """Send probe frames (an `AllBlocksCleared` batch each, numbered 0, 1, ...) until
     `sub` receives one (PUB drops until the subscription has arrived), then take the
-    probes `sub` got and the child's reports for them: one each, as it publishes in
-    its own thread when it has no replay socket. Returns the number of probes."""
+    probes `sub` got and the child's reports for them. Returns the number of probes."""
     deadline = time.monotonic() + WAIT_MS / 1000
     probes = 0
     while True:
@@ -573,7 +631,7 @@ def _join(child: _Child, sub: zmq.Socket[bytes]) -> int:
             break
     while int.from_bytes(sub.recv_multipart()[1], "big") != probes - 1:
         pass
-    assert child.sent_reports_until(probes) == list(range(1, probes + 1))
+    assert child.sent_reports_until(probes)[-1] == probes
     return probes
 
 
@@ -634,8 +692,8 @@ def test_the_child_publishes_each_frame_with_its_number_and_in_process_bytes(
             "BlockStored",
             "BlockRemoved",
         }
-        assert [child.report() for _ in seqs] == [{"sent": first + k} for k in (1, 2, 3)]
-        child.send(STOP)
+        assert child.sent_reports_until(first + 3)[-1] == first + 3
+        child.stop()
         assert child.exit_code() == 0
         assert child.report() == {"sent": first + 3}  # its last word
         assert child.quiet(100)
@@ -670,7 +728,7 @@ def test_the_child_keeps_batches_for_replay_in_the_encoding_asked_for(
         assert _replay(ctx, ready["replay_endpoint"], 2) == [(2, wire[2])]
     finally:
         ctx.term()
-    child.send(STOP)
+    child.stop()
     assert child.exit_code() == 0
     assert child.report() == {"sent": 3}
 
@@ -700,7 +758,7 @@ def test_the_module_run_as_a_program_exits_with_the_childs_code(
     assert TCP.fullmatch(child.report()["endpoint"])
     child.send(encode_frame(_evicting_batches(1)[0], seq=4, ts=0.0))
     assert child.report() == {"sent": 1}
-    child.send(STOP)
+    child.stop()
     assert child.exit_code() == 0  # sys.exit(_child(config from argv))
     assert child.report() == {"sent": 1}
 
@@ -757,18 +815,9 @@ def test_a_child_whose_publisher_failed_exits_by_itself(
 # ------------------------------------------------ the parent when its child fails
 
 
-def _record_dirs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The directories `tempfile.mkdtemp` makes from now on."""
-    made: list[str] = []
-    mkdtemp = tempfile.mkdtemp
-
-    def recording(*args: Any, **kwargs: Any) -> str:
-        directory = str(mkdtemp(*args, **kwargs))
-        made.append(directory)
-        return directory
-
-    monkeypatch.setattr(tempfile, "mkdtemp", recording)
-    return made
+def _open_fds() -> set[str]:
+    """This process's open file descriptors."""
+    return set(os.listdir("/proc/self/fd"))
 
 
 def _record_children(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
@@ -789,7 +838,7 @@ def test_a_child_that_exits_before_reporting_fails_the_constructor_at_once(
 ) -> None:
     false = shutil.which("false")
     assert false is not None
-    dirs = _record_dirs(monkeypatch)
+    fds = _open_fds()
     monkeypatch.setattr(sys, "executable", false)  # a "child" that exits with 1
     t0 = time.monotonic()
     with pytest.raises(
@@ -797,7 +846,7 @@ def test_a_child_that_exits_before_reporting_fails_the_constructor_at_once(
     ):
         ProcessEventPublisher(LOOP, start_timeout=30.0)
     assert time.monotonic() - t0 < 10  # seen exiting, not waited for
-    assert len(dirs) == 1 and not os.path.exists(dirs[0])
+    assert _open_fds() == fds  # its pipes closed
 
 
 def test_a_failed_constructor_reaps_its_child_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -825,11 +874,11 @@ def test_a_failed_constructor_reaps_its_child_once(monkeypatch: pytest.MonkeyPat
 def test_a_child_that_cannot_be_started_fails_the_constructor_and_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    dirs = _record_dirs(monkeypatch)
+    fds = _open_fds()
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(FileNotFoundError):
         ProcessEventPublisher(LOOP)
-    assert len(dirs) == 1 and not os.path.exists(dirs[0])
+    assert _open_fds() == fds
 
 
 def test_a_child_that_never_reports_times_out_and_is_terminated(
@@ -838,7 +887,7 @@ def test_a_child_that_never_reports_times_out_and_is_terminated(
     silent = tmp_path / "silent-child"
     silent.write_text("#!/bin/sh\nexec sleep 60\n")
     silent.chmod(0o755)
-    dirs = _record_dirs(monkeypatch)
+    fds = _open_fds()
     children = _record_children(monkeypatch)
     monkeypatch.setattr(sys, "executable", str(silent))
     t0 = time.monotonic()
@@ -848,7 +897,7 @@ def test_a_child_that_never_reports_times_out_and_is_terminated(
         ProcessEventPublisher(LOOP, start_timeout=0.3)
     assert 0.3 <= time.monotonic() - t0 < 10
     assert len(children) == 1 and children[0].returncode == -signal.SIGTERM
-    assert len(dirs) == 1 and not os.path.exists(dirs[0])
+    assert _open_fds() == fds
 
 
 def test_a_child_that_does_not_stop_on_close_is_logged_then_killed(
@@ -857,11 +906,8 @@ def test_a_child_that_does_not_stop_on_close_is_logged_then_killed(
     pub = ProcessEventPublisher(LOOP, queue_batches=1)
     proc = pub._proc
     assert proc is not None
-    proc.send_signal(signal.SIGSTOP)  # takes no stop frame, and holds SIGTERM pending
-    refused = 0
-    while refused < 50:  # and its queue is full, the socket's buffers too: no room
-        refused = 0 if pub.publish([AllBlocksCleared()]) else refused + 1
-        time.sleep(0.001)
+    proc.send_signal(signal.SIGSTOP)  # reads nothing more, and holds SIGTERM pending
+    _fill(pub)  # and its pipe is full, a frame waiting in the engine: no room
     caplog.clear()
     t0 = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="cache.kv_publisher_process"):
@@ -913,7 +959,7 @@ def test_reports_nobody_reads_never_block_the_child_and_the_last_is_sent_later(
         counts = child.sent_reports_until(last)
         assert len(counts) < last - first  # reports were dropped
         assert counts[-1] == last
-        child.send(STOP)
+        child.stop()
         assert child.exit_code() == 0
     finally:
         sub.close(linger=0)
@@ -939,7 +985,7 @@ def test_the_child_builds_its_publisher_with_the_engines_settings(
     assert (publisher.topic, publisher.data_parallel_rank, publisher.legacy) == ("kv", 2, True)
     assert (publisher._buffer.maxlen, publisher._queue_batches) == (9, 7)
     assert publisher._pub.getsockopt(zmq.SNDHWM) == 123
-    child.send(STOP)
+    child.stop()
     assert child.exit_code() == 0
 
 
@@ -951,5 +997,5 @@ def test_a_child_stopped_while_nobody_reads_its_reports_still_exits_cleanly(
     assert set(child.report()) == {"endpoint", "replay_endpoint"}
     for seq in range(40_000):
         child.send(encode_frame([AllBlocksCleared()], seq=seq, ts=0.0))
-    child.send(STOP)
+    child.stop()
     assert child.exit_code() == 0
