@@ -61,6 +61,27 @@ def test_a_blocks_extra_identity_is_hashed_into_its_own_block_only() -> None:
     assert first != hasher.chain(hasher.root(""), (1, 2, 3, 4))
 
 
+@pytest.mark.parametrize("scheme", ["xxh3", "vllm"])
+def test_a_commit_chains_its_new_blocks_from_the_last_block_it_shares(scheme: str) -> None:
+    """A commit that deduplicates its first blocks hashes the rest under the last
+    shared one; an injected key hash (a test hook) changes no published hash."""
+    hashes = []
+    for key_hash in (None, lambda block: 0):
+        trie = kv_trie(num_blocks=16, block_hash=scheme, key_hash=key_hash)
+        serve(trie, [1, 2, 3, 4, 5, 6, 7, 8])
+        serve(trie, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
+        first, second = [e for e in trie.drain_events() if isinstance(e, BlockStored)]
+        hasher = BlockHasher(scheme)
+        one = hasher.chain(hasher.root(""), (1, 2, 3, 4))
+        two = hasher.chain(one, (5, 6, 7, 8))
+        three = hasher.chain(two, (9, 10, 11, 12))
+        assert first.block_hashes == (one, two)
+        assert second.block_hashes == (three, hasher.chain(three, (13, 14, 15, 16)))
+        assert second.parent_block_hash == two
+        hashes.append(first.block_hashes + second.block_hashes)
+    assert hashes[0] == hashes[1]
+
+
 def test_vllm_block_hashes_carry_the_namespace_as_the_lora_name_in_every_block() -> None:
     """Under vLLM's scheme the namespace is each block's LoRA name: it is hashed
     into every block's extra keys, not only into the root's seed."""
