@@ -215,7 +215,6 @@ class ProcessEventPublisher:
         # first may be partly written (its rest must go before anything else).
         self._backlog: deque[tuple[memoryview, int]] = deque()
         self._status_tail = b""  # a report line not yet complete
-        self._proc: subprocess.Popen[bytes] | None = None
         config = {
             "parent": os.getpid(),
             "endpoint": endpoint,
@@ -227,15 +226,17 @@ class ProcessEventPublisher:
             "legacy": legacy,
             "hwm": hwm,
         }
+        proc: subprocess.Popen[bytes] | None = None
         try:
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "cache.kv_publisher_process", json.dumps(config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )
-            self._finalizer = weakref.finalize(self, _reap, self._proc)
-            self._frames = _fileno(self._proc.stdin)
-            self._status = _fileno(self._proc.stdout)
+            self._proc = proc
+            self._finalizer = weakref.finalize(self, _reap, proc)
+            self._frames = _fileno(proc.stdin)
+            self._status = _fileno(proc.stdout)
             _grow_pipe(self._frames)
             os.set_blocking(self._frames, False)
             os.set_blocking(self._status, False)
@@ -250,7 +251,7 @@ class ProcessEventPublisher:
             if hasattr(self, "_finalizer"):  # the child was started: reap it once
                 self._finalizer()
             else:
-                _reap(self._proc)
+                _reap(proc)
             raise
         self.endpoint: str = ready["endpoint"]
         self.replay_endpoint: str | None = ready["replay_endpoint"]
@@ -262,7 +263,7 @@ class ProcessEventPublisher:
             reports = self._reports()
             if reports:
                 return reports[0]
-            if self._proc is not None and self._proc.poll() is not None:
+            if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"ProcessEventPublisher: the encoder process exited ({self._proc.returncode})"
                 )
@@ -302,7 +303,7 @@ class ProcessEventPublisher:
                 f"publish takes EventRecords or a list of events, got {type(batch).__name__}"
             )
         proc = self._proc
-        exited = proc is None or proc.poll() is not None
+        exited = proc.poll() is not None
         try:
             self._flush()  # having exited, its end is closed: what waits is dropped
         except BrokenPipeError:
@@ -327,12 +328,11 @@ class ProcessEventPublisher:
         if not self._backlog:
             try:
                 written = os.write(self._frames, data)
-            except BlockingIOError:
-                written = 0
-            if written == len(data):
-                return True
-            if written:  # its rest must follow before anything else
-                self._backlog.append((memoryview(data)[written:], events))
+            except BlockingIOError:  # the pipe is full
+                pass
+            else:  # all of it, or a part (never none): its rest must go before anything
+                if written < len(data):
+                    self._backlog.append((memoryview(data)[written:], events))
                 return True
         if len(self._backlog) >= self._queue_batches:
             return False
@@ -353,6 +353,13 @@ class ProcessEventPublisher:
                 for _, lost in backlog:  # accepted, never delivered: dropped after all
                     self.dropped_batches += 1
                     self.dropped_events += lost
+                log.error(
+                    "KV event encoder process exited: dropped the %d batches waiting for it "
+                    "(%d batches / %d events dropped so far)",
+                    len(backlog),
+                    self.dropped_batches,
+                    self.dropped_events,
+                )
                 backlog.clear()
                 raise
             if written < len(data):
@@ -404,16 +411,9 @@ class ProcessEventPublisher:
         at once when the child has exited."""
         deadline = time.monotonic() + timeout
         while self.poll_status() < batches:
-            proc = self._proc
-            if (
-                self._closed
-                or time.monotonic() >= deadline
-                or proc is None
-                or proc.poll() is not None
-            ):
+            if self._closed or self._proc.poll() is not None or time.monotonic() >= deadline:
                 return False
-            writable = [self._frames] if self._backlog else []
-            select.select([self._status], writable, [], 0.01)
+            select.select([self._status], [], [], 0.01)  # a report, or 10 ms to flush again
         return True
 
     def close(self, timeout: float = 2.0) -> None:
@@ -424,7 +424,7 @@ class ProcessEventPublisher:
             return
         self._closed = True
         proc = self._proc
-        if proc is not None and proc.poll() is None:
+        if proc.poll() is None:
             deadline = time.monotonic() + timeout
             with contextlib.suppress(BrokenPipeError):
                 while True:
@@ -433,14 +433,12 @@ class ProcessEventPublisher:
                     if not self._backlog or left <= 0:
                         break
                     select.select([], [self._frames], [], min(left, 0.1))
-            with contextlib.suppress(OSError):
-                _close_stream(proc.stdin)  # the end of its stdin: its STOP
+            _close_stream(proc.stdin)  # the end of its stdin: its STOP (nothing is buffered)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.error("KV event encoder process did not stop within %.1f s", timeout)
-        with contextlib.suppress(OSError):
-            self.poll_status()
+        self.poll_status()  # its last reports
         self._finalizer()
 
     def __enter__(self) -> ProcessEventPublisher:
@@ -508,23 +506,25 @@ def _take_frames(pending: bytearray) -> list[bytes]:
     """The complete frames at the start of `pending`, removed from it."""
     frames = []
     at = 0
-    while len(pending) - at >= _HEADER:
-        end = at + _HEADER + int.from_bytes(pending[at : at + _HEADER], "little")
-        if end > len(pending):
+    while True:
+        start = at + _HEADER
+        end = start + int.from_bytes(pending[at:start], "little")
+        if end > len(pending):  # a partial header (past the end however short) or frame
             break
-        frames.append(bytes(pending[at + _HEADER : end]))
+        frames.append(bytes(pending[start:end]))
         at = end
     del pending[:at]
     return frames
 
 
 def _child(config: dict[str, Any]) -> int:
-    """The encoder process: frames in (`frames_fd`, stdin by default), `KVEventPublisher`
-    out, reports back (`status_fd`, stdout by default)."""
+    """The encoder process: frames in (`frames_fd`: its stdin), `KVEventPublisher` out,
+    reports back (`status_fd`: its stdout). Returns its exit code: 0, or 2 when its
+    publisher could not be made (the first report says why)."""
     from cache.kv_publisher import KVEventPublisher
 
-    frames = config.get("frames_fd", 0)
-    status = config.get("status_fd", 1)
+    frames = config["frames_fd"]
+    status = config["status_fd"]
     os.set_blocking(frames, False)
     os.set_blocking(status, False)  # a report the full pipe refuses is tried again later
     try:
@@ -553,44 +553,33 @@ def _child(config: dict[str, Any]) -> int:
         while True:
             try:
                 chunk = os.read(frames, _PIPE_BYTES)
-            except BlockingIOError:
-                chunk = None
-            if chunk == b"":  # the engine ended its stream (close), or is gone
+            except BlockingIOError:  # caught up
+                # Report what was sent, by this loop or since by the publisher's thread.
+                sent = publisher.published_batches
+                if sent != reported and _report(status, {"sent": sent}):
+                    reported = sent
+                if time.monotonic() < active_until:
+                    time.sleep(_NAP_S)  # not waiting on the pipe: a write wakes nobody
+                elif not select.select([frames], [], [], _IDLE_S)[0] and os.getppid() != parent:
+                    break  # the engine's process is gone (and another holds the pipe)
+                continue
+            if not chunk:  # the engine ended its stream (close), or is gone
                 break
-            if chunk:
-                pending += chunk
-                for frame in _take_frames(pending):
-                    seq, ts, events = decode_frame(frame)
-                    publisher.publish(events, ts=ts, seq=seq)
-                active_until = time.monotonic() + _ACTIVE_S
-                continue  # more may be waiting
-            # Caught up: report what was sent, by this loop or since by the
-            # publisher's thread.
-            sent = publisher.published_batches
-            if sent != reported and _report(status, {"sent": sent}):
-                reported = sent
-            if time.monotonic() < active_until:
-                time.sleep(_NAP_S)  # not waiting on the pipe: a write wakes nobody
-            elif not select.select([frames], [], [], _IDLE_S)[0] and os.getppid() != parent:
-                break  # the engine's process is gone (and another holds the pipe)
+            pending += chunk
+            for frame in _take_frames(pending):
+                seq, ts, events = decode_frame(frame)
+                publisher.publish(events, ts=ts, seq=seq)
+            active_until = time.monotonic() + _ACTIVE_S
     finally:
         publisher.close()
         _report(status, {"sent": publisher.published_batches})
     return 0
 
 
-def _main(argv: list[str]) -> int:
-    """``python -m cache.kv_publisher_process CONFIG``: the child as the engine starts it."""
-    config = json.loads(argv[1])
-    if "status_fd" not in config:  # stdout carries the reports: nothing else may
-        config["status_fd"] = os.dup(1)
-        os.dup2(2, 1)
+if __name__ == "__main__":  # the child, as the engine starts it
+    _status = os.dup(1)  # stdout carries the reports: nothing else may write to it
+    os.dup2(2, 1)
     # Ctrl-C in the engine's terminal reaches the whole process group: the engine
     # decides, and the child ends with its stdin.
-    with contextlib.suppress(ValueError):  # not the main thread (a test runs it in one)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return _child(config)
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(_child(json.loads(sys.argv[1]) | {"frames_fd": 0, "status_fd": _status}))

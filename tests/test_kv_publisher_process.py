@@ -13,13 +13,13 @@ numbered, the engine never blocking and counting what it drops.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import inspect
 import json
 import logging
 import os
 import re
-import runpy
 import select
 import shutil
 import signal
@@ -257,14 +257,16 @@ def test_an_empty_batch_is_not_sent_and_bad_batches_are_refused(
     assert publisher.poll_status() == 0
 
 
-def _fill(pub: ProcessEventPublisher, refusals: int = 50, limit: int = 400_000) -> list[bool]:
-    """Publish one-event batches to a stalled child until `refusals` in a row are
-    dropped (its pipe is full and `queue_batches` frames wait in the engine)."""
+def _fill(
+    pub: ProcessEventPublisher, refusals: int = 50, events: int = 1, limit: int = 400_000
+) -> list[bool]:
+    """Publish batches of `events` events to a stalled child until `refusals` in a row
+    are dropped (its pipe is full and `queue_batches` frames wait in the engine)."""
     results: list[bool] = []
     refused = 0
     while refused < refusals:
         assert len(results) < limit, "the pipe never filled"
-        results.append(pub.publish([AllBlocksCleared()]))
+        results.append(pub.publish([AllBlocksCleared()] * events))
         refused = 0 if results[-1] else refused + 1
     return results
 
@@ -395,13 +397,44 @@ def test_frames_waiting_for_a_child_that_dies_are_counted_as_dropped(
         assert pub.queued_batches == 3 and pub.dropped_batches == 1
         pub._proc.kill()
         pub._proc.wait()
+        caplog.clear()
         with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
             assert not pub.publish([AllBlocksCleared(), AllBlocksCleared()])
         assert pub.queued_batches == 0
         assert (pub.dropped_batches, pub.dropped_events) == (5, 6)
+        assert [r.getMessage() for r in caplog.records] == [  # (the 5th drop: not logged)
+            "KV event encoder process exited: dropped the 3 batches waiting for it (4 batches "
+            "/ 4 events dropped so far)"
+        ]
         assert pub.wait_published(len(results)) is False  # gone: not waited for
     finally:
         pub.close()
+
+
+def test_a_child_that_dies_while_close_hands_it_what_waits_is_reaped_quietly(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`close` found the child running, then its pipe broke (it died in between): what
+    waited counts as dropped, and `close` still ends and reaps without raising."""
+    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=2)
+    proc = pub._proc
+    proc.send_signal(signal.SIGSTOP)
+    _fill(pub, refusals=1)
+    assert pub.queued_batches == 2
+    dropped = pub.dropped_batches
+    proc.kill()
+    proc.wait()
+    monkeypatch.setattr(proc, "poll", lambda: None)  # as seen just before it died
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cache.kv_publisher_process"):
+        pub.close(timeout=1.0)
+    assert pub.queued_batches == 0
+    assert pub.dropped_batches == dropped + 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"KV event encoder process exited: dropped the 2 batches waiting for it ({dropped + 2} "
+        f"batches / {dropped + 2} events dropped so far)"
+    ]
+    assert proc.stdin is not None and proc.stdin.closed
 
 
 def test_a_bad_endpoint_fails_the_constructor_with_the_childs_reason() -> None:
@@ -454,11 +487,11 @@ def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
     proc = pub._proc
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)
-    _fill(pub)  # the pipe is full, and a frame waits in the engine: no room
+    _fill(pub, events=50)  # the pipe is full, and a frame waits in the engine: no room
     resume = threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,))
     resume.start()
     with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
-        pub.close(timeout=20.0)
+        pub.close(timeout=1.5)  # for room, then as long again for its exit
     resume.join()
     assert proc.returncode == 0
     assert [r.message for r in caplog.records if r.levelno >= logging.ERROR] == []
@@ -486,9 +519,7 @@ class _Child:
     (patched for the test) stop returning the parent the config names, as when the
     engine's process dies and the child is re-parented."""
 
-    def __init__(
-        self, monkeypatch: pytest.MonkeyPatch, *, main: bool = False, **config: Any
-    ) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **config: Any) -> None:
         self.frames_in, self.frames = os.pipe()  # the child reads, the test writes
         self.status, self.status_out = os.pipe()  # the child writes, the test reads
         self._tail = b""
@@ -511,29 +542,23 @@ class _Child:
         }
         self.config.update(config)
         self.returned: list[int] = []
-        if main:
-            monkeypatch.setattr(sys, "argv", ["kv_publisher_process.py", json.dumps(self.config)])
-        target = self._main if main else self._target
+        target = self._target
         self.thread = threading.Thread(target=target, name=CHILD_THREAD, daemon=True)
         self.thread.start()
 
     def _target(self) -> None:
         self.returned.append(_child(self.config))
 
-    def _main(self) -> None:
-        """The module run as the parent runs it (``python -m ... CONFIG``), in-process."""
-        try:
-            runpy.run_module("cache.kv_publisher_process", run_name="__main__")
-        except SystemExit as exc:
-            assert isinstance(exc.code, int)
-            self.returned.append(exc.code)
-
     def send(self, frame: bytes) -> None:
         """Write one frame as the parent does (its length, then the frame), waiting
         for room."""
-        data = memoryview(len(frame).to_bytes(4, "little") + frame)
-        while data:
-            data = data[os.write(self.frames, data) :]
+        self.write(len(frame).to_bytes(4, "little") + frame)
+
+    def write(self, data: bytes) -> None:
+        """Write `data` down the frames pipe, waiting for room."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.frames, view) :]
 
     def stop(self) -> None:
         """End the child's stdin, as `close` does: it publishes what it holds and exits."""
@@ -733,6 +758,34 @@ def test_the_child_keeps_batches_for_replay_in_the_encoding_asked_for(
     assert child.report() == {"sent": 3}
 
 
+def test_the_child_takes_a_frame_that_comes_in_pieces_once_it_is_whole(
+    start_child: Callable[..., _Child],
+) -> None:
+    """The pipe may hand a frame over in parts (a write it could take only in part):
+    the child publishes nothing until the frame is whole, then that frame once."""
+    child = start_child()
+    assert TCP.fullmatch(child.report()["endpoint"])
+    records = _evicting_batches(2)
+    first = encode_frame(records[0], seq=0, ts=0.0)
+    second = encode_frame(records[1], seq=1, ts=0.0)
+    data = len(first).to_bytes(4, "little") + first + len(second).to_bytes(4, "little")
+    cuts = [2, 9, len(data) - 3, len(data)]  # in the header, the frame, the next header
+    at = 0
+    for cut in cuts:
+        child.write(data[at:cut])
+        at = cut
+        time.sleep(0.05)  # each piece read on its own
+        if cut < len(first) + 4:
+            assert child.quiet(100)  # nothing whole yet: nothing sent
+    assert child.sent_reports_until(1) == [1]
+    child.write(second[:5])
+    assert child.quiet(200)  # the second frame's start alone: nothing more
+    child.write(second[5:])
+    assert child.sent_reports_until(2) == [2]
+    child.stop()
+    assert child.exit_code() == 0
+
+
 def test_the_child_exits_when_the_engine_process_is_gone(
     start_child: Callable[..., _Child],
 ) -> None:
@@ -750,17 +803,57 @@ def test_the_child_exits_when_the_engine_process_is_gone(
     assert child.quiet(100)
 
 
-@pytest.mark.filterwarnings("ignore:'cache.kv_publisher_process' found in sys.modules")
-def test_the_module_run_as_a_program_exits_with_the_childs_code(
-    start_child: Callable[..., _Child],
-) -> None:
-    child = start_child(main=True, topic="t")
-    assert TCP.fullmatch(child.report()["endpoint"])
-    child.send(encode_frame(_evicting_batches(1)[0], seq=4, ts=0.0))
-    assert child.report() == {"sent": 1}
-    child.stop()
-    assert child.exit_code() == 0  # sys.exit(_child(config from argv))
-    assert child.report() == {"sent": 1}
+def _program(**config: Any) -> subprocess.Popen[bytes]:
+    """``python -m cache.kv_publisher_process CONFIG``, as the engine starts it."""
+    base: dict[str, Any] = {
+        "parent": os.getpid(),
+        "endpoint": LOOP,
+        "replay_endpoint": None,
+        "topic": "",
+        "buffer_batches": 10_000,
+        "data_parallel_rank": None,
+        "queue_batches": 10_000,
+        "legacy": False,
+        "hwm": 100_000,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "cache.kv_publisher_process", json.dumps(base | config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+
+
+def test_the_program_reads_its_stdin_reports_on_its_stdout_and_ignores_ctrl_c() -> None:
+    proc = _program(topic="t")
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert TCP.fullmatch(ready["endpoint"]) and ready["replay_endpoint"] is None
+        proc.send_signal(signal.SIGINT)  # Ctrl-C in the engine's terminal: not its call
+        frame = encode_frame(_evicting_batches(1)[0], seq=4, ts=0.0)
+        proc.stdin.write(len(frame).to_bytes(4, "little") + frame)
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline()) == {"sent": 1}
+        proc.stdin.close()  # the end of its stdin: it stops
+        assert proc.wait(WAIT_MS / 1000) == 0
+        assert [json.loads(line) for line in proc.stdout] == [{"sent": 1}]  # its last word
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_the_program_exits_with_2_when_its_publisher_cannot_be_made() -> None:
+    proc = _program(buffer_batches=-1)
+    out, _ = proc.communicate(timeout=WAIT_MS / 1000)
+    assert proc.returncode == 2
+    assert [json.loads(line) for line in out.splitlines()] == [
+        {
+            "error": "KVEventPublisher buffer_batches must be a non-negative int: -1",
+            "type": "ValueError",
+        }
+    ]
 
 
 def _expected_error(make: Callable[[], object]) -> dict[str, Any]:
@@ -945,16 +1038,17 @@ def test_reports_nobody_reads_never_block_the_child_and_the_last_is_sent_later(
     `wait_published` would wait for a report that never comes)."""
     child = start_child()
     endpoint = child.report()["endpoint"]
+    # One page of pipe: about 270 reports fill it.
+    fcntl.fcntl(child.status, fcntl.F_SETPIPE_SZ, 4096)  # type: ignore[attr-defined]
     ctx: Ctx = zmq.Context()
     sub = _sub_socket(ctx)
     try:
         sub.connect(endpoint)
         first = _join(child, sub)
-        last = first + 40_000  # far more reports than the pipe holds
-        for seq in range(first, last):
+        last = first + 1_000  # far more reports than the pipe holds
+        for seq in range(first, last):  # one at a time: it catches up, and reports, after each
             child.send(encode_frame([AllBlocksCleared()], seq=seq, ts=0.0))
-        while int.from_bytes(sub.recv_multipart()[1], "big") != last - 1:
-            pass
+            assert int.from_bytes(sub.recv_multipart()[1], "big") == seq  # never blocked
         time.sleep(0.3)  # the child tries to report the last batch into the full pipe
         counts = child.sent_reports_until(last)
         assert len(counts) < last - first  # reports were dropped
