@@ -512,6 +512,16 @@ WAIT_MS = 10_000
 TCP = re.compile(r"tcp://127\.0\.0\.1:\d+")
 Ctx = zmq.Context[zmq.Socket[bytes]]
 CHILD_THREAD = "in-process-encoder"
+PUBLISHER: dict[str, Any] = {  # the child's publisher settings, as the parent gives them
+    "endpoint": LOOP,
+    "replay_endpoint": None,
+    "topic": "",
+    "buffer_batches": 10_000,
+    "data_parallel_rank": None,
+    "queue_batches": 10_000,
+    "legacy": False,
+    "hwm": 100_000,
+}
 
 
 class _Child:
@@ -531,16 +541,9 @@ class _Child:
             "frames_fd": self.frames_in,
             "status_fd": self.status_out,
             "parent": parent,
-            "endpoint": LOOP,
-            "replay_endpoint": None,
-            "topic": "",
-            "buffer_batches": 10_000,
-            "data_parallel_rank": None,
-            "queue_batches": 10_000,
-            "legacy": False,
-            "hwm": 100_000,
+            **PUBLISHER,
+            **config,
         }
-        self.config.update(config)
         self.returned: list[int] = []
         target = self._target
         self.thread = threading.Thread(target=target, name=CHILD_THREAD, daemon=True)
@@ -805,19 +808,9 @@ def test_the_child_exits_when_the_engine_process_is_gone(
 
 def _program(**config: Any) -> subprocess.Popen[bytes]:
     """``python -m cache.kv_publisher_process CONFIG``, as the engine starts it."""
-    base: dict[str, Any] = {
-        "parent": os.getpid(),
-        "endpoint": LOOP,
-        "replay_endpoint": None,
-        "topic": "",
-        "buffer_batches": 10_000,
-        "data_parallel_rank": None,
-        "queue_batches": 10_000,
-        "legacy": False,
-        "hwm": 100_000,
-    }
+    config = {"parent": os.getpid(), **PUBLISHER, **config}
     return subprocess.Popen(
-        [sys.executable, "-m", "cache.kv_publisher_process", json.dumps(base | config)],
+        [sys.executable, "-m", "cache.kv_publisher_process", json.dumps(config)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
