@@ -425,16 +425,16 @@ class ProcessEventPublisher:
             return
         self._closed = True
         proc = self._proc
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(BrokenPipeError):  # it has exited: what waits is dropped
+            while True:
+                self._flush()
+                left = deadline - time.monotonic()
+                if not self._backlog or left <= 0:
+                    break
+                select.select([], [self._frames], [], min(left, 0.1))
+        _close_stream(proc.stdin)  # the end of its stdin: its STOP (nothing is buffered)
         if proc.poll() is None:
-            deadline = time.monotonic() + timeout
-            with contextlib.suppress(BrokenPipeError):
-                while True:
-                    self._flush()
-                    left = deadline - time.monotonic()
-                    if not self._backlog or left <= 0:
-                        break
-                    select.select([], [self._frames], [], min(left, 0.1))
-            _close_stream(proc.stdin)  # the end of its stdin: its STOP (nothing is buffered)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
