@@ -485,9 +485,8 @@ def _reap(proc: subprocess.Popen[bytes] | None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    for stream in (proc.stdin, proc.stdout):
-        with contextlib.suppress(OSError):
-            _close_stream(stream)
+    for stream in (proc.stdin, proc.stdout):  # nothing is buffered: closing cannot fail
+        _close_stream(stream)
 
 
 # ----------------------------------------------------------------------- child

@@ -221,6 +221,7 @@ def test_subscribers_get_each_batch_in_order_with_in_process_bytes(
         _run(trie, [([1, 2, 3, r, r + 1], "", None, "evict")])
         records = trie.drain_event_records()
         assert publisher.publish(records, ts=float(r))
+        assert publisher.queued_batches == 0  # written whole: nothing waits
         sent.append(encode_batch(records.events(), ts=float(r), data_parallel_rank=3))
     for seq, payload in enumerate(sent):
         topic, seq_bytes, got = sub.recv_multipart()
