@@ -236,8 +236,8 @@ class ProcessEventPublisher:
             )
             self._proc = proc
             self._finalizer = weakref.finalize(self, _reap, proc)
-            self._frames = _fileno(proc.stdin)
-            self._status = _fileno(proc.stdout)
+            self._frames = proc.stdin.fileno()  # type: ignore[union-attr]  # PIPE: made
+            self._status = proc.stdout.fileno()  # type: ignore[union-attr]
             _grow_pipe(self._frames)
             os.set_blocking(self._frames, False)
             os.set_blocking(self._status, False)
@@ -351,22 +351,28 @@ class ProcessEventPublisher:
             except BlockingIOError:
                 return
             except BrokenPipeError:
-                for _, lost in backlog:  # accepted, never delivered: dropped after all
-                    self.dropped_batches += 1
-                    self.dropped_events += lost
-                log.error(
-                    "KV event encoder process exited: dropped the %d batches waiting for it "
-                    "(%d batches / %d events dropped so far)",
-                    len(backlog),
-                    self.dropped_batches,
-                    self.dropped_events,
-                )
-                backlog.clear()
+                self._drop_backlog("exited")
                 raise
             if written < len(data):
                 backlog[0] = (data[written:], events)
                 return
             backlog.popleft()
+
+    def _drop_backlog(self, why: str) -> None:
+        """Count and log as dropped the frames waiting for room: accepted by `publish`,
+        they will never reach the child."""
+        for _, lost in self._backlog:
+            self.dropped_batches += 1
+            self.dropped_events += lost
+        log.error(
+            "KV event encoder process %s: dropped the %d batches waiting for it "
+            "(%d batches / %d events dropped so far)",
+            why,
+            len(self._backlog),
+            self.dropped_batches,
+            self.dropped_events,
+        )
+        self._backlog.clear()
 
     def _dropped(self, seq: int, events: int, exited: subprocess.Popen[bytes] | None) -> None:
         """Count and log (the 1st, 2nd, 4th, 8th... time) a dropped batch."""
@@ -433,6 +439,8 @@ class ProcessEventPublisher:
                 if not self._backlog or left <= 0:
                     break
                 select.select([], [self._frames], [], min(left, 0.1))
+        if self._backlog:  # it took nothing more in time: they never reach it
+            self._drop_backlog(f"took no more within {timeout:.1f} s")
         _close_stream(proc.stdin)  # the end of its stdin: its STOP (nothing is buffered)
         if proc.poll() is None:
             try:
@@ -452,12 +460,6 @@ class ProcessEventPublisher:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _fileno(stream: IO[bytes] | None) -> int:
-    if stream is None:  # pragma: no cover - Popen made both pipes
-        raise RuntimeError("ProcessEventPublisher: the encoder process has no pipe")
-    return stream.fileno()
 
 
 def _close_stream(stream: IO[bytes] | None) -> None:

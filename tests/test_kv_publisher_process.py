@@ -211,6 +211,16 @@ def _subscriber(endpoint: str) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Sock
     return ctx, sub
 
 
+def test_the_pipe_to_the_child_holds_a_mebibyte_where_linux_allows_it(
+    publisher: ProcessEventPublisher,
+) -> None:
+    limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    if limit < 1 << 20:
+        pytest.skip(f"pipes are limited to {limit} bytes here")
+    size = fcntl.fcntl(publisher._frames, fcntl.F_GETPIPE_SZ)  # type: ignore[attr-defined]
+    assert size == 1 << 20
+
+
 def test_subscribers_get_each_batch_in_order_with_in_process_bytes(
     publisher: ProcessEventPublisher,
 ) -> None:
@@ -510,14 +520,16 @@ def test_close_waits_up_to_its_timeout_for_room_to_hand_the_child_its_stop(
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)
     _fill(pub, events=50)  # the pipe is full, and a frame waits in the engine: no room
+    dropped = pub.dropped_batches
     resume = threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,))
     resume.start()
     with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
-        pub.close(timeout=1.5)  # for room, then as long again for its exit
+        pub.close(timeout=1.2)  # for room, then as long again for its exit
     resume.join()
     assert proc.returncode == 0
     assert [r.message for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert pub.queued_batches == 0  # handed over before its stdin was ended
+    assert pub.dropped_batches == dropped  # nothing lost
     assert proc.stdin is not None and proc.stdin.closed
     assert proc.stdout is not None and proc.stdout.closed
 
@@ -1024,7 +1036,9 @@ def test_a_child_that_does_not_stop_on_close_is_logged_then_killed(
     assert proc.returncode == -signal.SIGKILL  # terminate() waited 2 s in vain, then kill()
     assert 2.3 <= elapsed < 20
     assert [r.getMessage() for r in caplog.records] == [
-        "KV event encoder process did not stop within 0.3 s"
+        f"KV event encoder process took no more within 0.3 s: dropped the 1 batches waiting "
+        f"for it ({pub.dropped_batches} batches / {pub.dropped_events} events dropped so far)",
+        "KV event encoder process did not stop within 0.3 s",
     ]
 
 
