@@ -32,7 +32,8 @@ and goes with the next call (`publish`, `poll_status`, `wait_published`,
 `close`); a batch past that is dropped there, counted in `dropped_batches` /
 `dropped_events` and logged, and its number is skipped, so subscribers see the
 gap. A batch published after the child has exited is dropped the same way,
-logged as an error, and so are the frames still waiting for it.
+logged as an error, and so are the frames still waiting for it (or waiting
+when `close` runs out of time).
 `published_batches` counts the batches the child has handed to its PUB
 socket (it reports whenever it has caught up). Binding
 errors (a port in use) are raised by the constructor as `zmq.ZMQError`, as
