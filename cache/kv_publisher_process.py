@@ -304,24 +304,21 @@ class ProcessEventPublisher:
             raise TypeError(
                 f"publish takes EventRecords or a list of events, got {type(batch).__name__}"
             )
-        proc = self._proc
-        exited = proc.poll() is not None
-        try:
-            self._flush()  # having exited, its end is closed: what waits is dropped
-        except BrokenPipeError:
-            exited = True
         if not batch:
+            with contextlib.suppress(BrokenPipeError):  # (counted and logged there)
+                self._flush()
             return True
         seq = self._next_seq
         self._next_seq += 1
-        if not exited:
+        try:
+            self._flush()  # what waits for room goes first
             frame = encode_frame(batch, seq=seq, ts=ts)
-            try:
-                if self._send(len(frame).to_bytes(_HEADER, "little") + frame, len(batch)):
-                    return True
-            except BrokenPipeError:
-                exited = True
-        self._dropped(seq, len(batch), proc if exited else None)
+            if self._send(len(frame).to_bytes(_HEADER, "little") + frame, len(batch)):
+                return True
+        except BrokenPipeError:  # the child has exited: its end of the pipe is closed
+            self._dropped(seq, len(batch), exited=self._proc)
+            return False
+        self._dropped(seq, len(batch), exited=None)
         return False
 
     def _send(self, data: bytes, events: int) -> bool:
