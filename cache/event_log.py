@@ -171,7 +171,7 @@ class EventLog:
         if len(tokens) != 4 * block_size * len(keys):  # not plain uint32 blocks
             self._events.append(
                 _stored_from_nodes(
-                    parent_hash, nodes, keys, blocks[first:stop], block_size, namespace
+                    parent_hash, nodes, hashes, keys, blocks[first:stop], block_size, namespace
                 )
             )
             return
@@ -405,6 +405,7 @@ def stored_event(run: StoredRun) -> BlockStored:
 def _stored_from_nodes(
     parent_hash: int | None,
     nodes: Sequence[Node],
+    hashes: Sequence[int],
     keys: Sequence[Hashable],
     blocks: Sequence[int],
     block_size: int,
@@ -419,8 +420,9 @@ def _stored_from_nodes(
         from cache.block_hash import extra_keys
 
         extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
-    hashes, ids = tuple(map(_block_hash, nodes)), tuple(blocks)
-    return device_stored(hashes, ids, parent_hash, token_ids, block_size, namespace, extras)
+    return device_stored(
+        tuple(hashes), tuple(blocks), parent_hash, token_ids, block_size, namespace, extras
+    )
 
 
 def plain_extra_keys(namespace: str, blocks: int) -> tuple[tuple[object, ...] | None, ...] | None:
