@@ -14,16 +14,16 @@ replay socket).
 Transport: the child is started with the same interpreter (``python -m
 cache.kv_publisher_process``); frames go down its stdin, each a 4-byte
 little-endian length and the frame, and it reports on its stdout, one JSON
-object per line (first that it is ready, or why its publisher failed; then
-how many batches it has sent). The engine's process runs no ZMQ at all: a
-frame costs it one non-blocking `write` (a ZMQ socket cost it a wake-up of
-its I/O thread per frame, several times the write, on the cores the engine
-and the child share). The child reads without waiting on the pipe while
-frames keep coming (it naps a millisecond between reads), so a write seldom
-has a sleeper to wake; after `_ACTIVE_S` without a frame it waits on the pipe.
-It exits at the end of its stdin: when `close` closes it, or when the
-engine's process is gone (also checked by its parent pid while idle, in case
-another process holds the pipe).
+object per line (first that it is ready, or why its publisher failed; then how
+many batches it has sent; each with its CPU time so far: `encoder_cpu_s`). The engine's
+process runs no ZMQ at all: a frame costs it one non-blocking `write` (a ZMQ
+socket cost it a wake-up of its I/O thread per frame, several times the write,
+on the cores the engine and the child share). The child reads without waiting
+on the pipe while frames keep coming (it naps a millisecond between reads), so
+a write seldom has a sleeper to wake; after `_ACTIVE_S` without a frame it
+waits on the pipe. It exits at the end of its stdin: when `close` closes it,
+or when the engine's process is gone (also checked by its parent pid while
+idle, in case another process holds the pipe).
 
 Numbering and drops: the engine side numbers every batch. A frame the pipe
 cannot take (the child is behind and the pipe's buffer, 1 MiB where Linux
@@ -210,6 +210,9 @@ class ProcessEventPublisher:
         (also logged)."""
         self.dropped_events = 0
         """Events in the dropped batches."""
+        self.encoder_cpu_s = 0.0
+        """CPU seconds the child has used (its `time.process_time()`, as last reported):
+        what encoding and sending cost, off the engine's process."""
         self._next_seq = 0
         self._closed = False
         self._queue_batches = queue_batches
@@ -255,6 +258,7 @@ class ProcessEventPublisher:
             else:
                 _reap(proc)
             raise
+        self.encoder_cpu_s = float(ready["cpu"])  # starting it: mostly imports
         self.endpoint: str = ready["endpoint"]
         self.replay_endpoint: str | None = ready["replay_endpoint"]
 
@@ -409,6 +413,7 @@ class ProcessEventPublisher:
                 self._flush()
         for report in self._reports():
             self.published_batches = max(self.published_batches, int(report.get("sent", 0)))
+            self.encoder_cpu_s = max(self.encoder_cpu_s, float(report.get("cpu", 0.0)))
         return self.published_batches
 
     def wait_published(self, batches: int, timeout: float = 10.0) -> bool:
@@ -544,7 +549,8 @@ def _child(config: dict[str, Any]) -> int:
             report["errno"] = exc.errno
         _report(status, report)
         return 2
-    _report(status, {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint})
+    ready = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+    _report(status, ready | {"cpu": time.process_time()})
     parent = config["parent"]
     reported = 0
     pending = bytearray()
@@ -556,7 +562,7 @@ def _child(config: dict[str, Any]) -> int:
             except BlockingIOError:  # caught up
                 # Report what was sent, by this loop or since by the publisher's thread.
                 sent = publisher.published_batches
-                if sent != reported and _report(status, {"sent": sent}):
+                if sent != reported and _report(status, _sent(sent)):
                     reported = sent
                 if time.monotonic() < active_until:
                     time.sleep(_NAP_S)  # not waiting on the pipe: a write wakes nobody
@@ -572,8 +578,13 @@ def _child(config: dict[str, Any]) -> int:
             active_until = time.monotonic() + _ACTIVE_S
     finally:
         publisher.close()
-        _report(status, {"sent": publisher.published_batches})
+        _report(status, _sent(publisher.published_batches))
     return 0
+
+
+def _sent(batches: int) -> dict[str, Any]:
+    """The report of how many batches the child has sent, and its CPU time so far."""
+    return {"sent": batches, "cpu": time.process_time()}
 
 
 if __name__ == "__main__":  # the child, as the engine starts it

@@ -30,15 +30,19 @@ def test_bench_events_small() -> None:
     assert r["events_per_block"] == pytest.approx(total)
     assert r["components_over_blocktrie"] == pytest.approx(total / r["blocktrie"])
     # one round of each: every ratio is that round's, events on over events off
-    # (wall time, the process's CPU, the thread's CPU)
-    ((t_off, t_on, t_cpu_off, t_cpu_on, t_thr_off, t_thr_on),) = r["rounds"]["in_thread"]
-    ((p_off, p_on, p_cpu_off, p_cpu_on, p_thr_off, p_thr_on),) = r["rounds"]["in_process"]
+    # (wall time, the process's CPU, the thread's CPU, the encoder process's CPU)
+    ((t_off, t_on, t_cpu_off, t_cpu_on, t_thr_off, t_thr_on, t_enc),) = r["rounds"]["in_thread"]
+    ((p_off, p_on, p_cpu_off, p_cpu_on, p_thr_off, p_thr_on, p_enc),) = r["rounds"]["in_process"]
+    assert t_enc == 0 and p_enc > 0  # only the encoder process encodes elsewhere
     assert r["events_over_blocktrie"] == pytest.approx(t_on / t_off - 1.0)
     assert r["events_process_over_blocktrie"] == pytest.approx(p_on / p_off - 1.0)
     assert r["events_cpu_over_blocktrie"] == pytest.approx(t_cpu_on / t_cpu_off - 1.0)
     assert r["events_process_cpu_over_blocktrie"] == pytest.approx(p_cpu_on / p_cpu_off - 1.0)
     assert r["events_thread_over_blocktrie"] == pytest.approx(t_thr_on / t_thr_off - 1.0)
     assert r["events_process_thread_over_blocktrie"] == pytest.approx(p_thr_on / p_thr_off - 1.0)
+    assert r["events_process_total_cpu_over_blocktrie"] == pytest.approx(
+        (p_cpu_on + p_enc) / p_cpu_off - 1.0
+    )
     assert t_cpu_off == t_thr_off and p_cpu_off == p_thr_off  # the off side: this thread only
     assert r["blocktrie"] == min(t_off, p_off) / 64
     assert r["blocktrie_events"] == t_on / 64 and r["blocktrie_events_process"] == p_on / 64
@@ -46,7 +50,7 @@ def test_bench_events_small() -> None:
     lines: list[str] = []
     print_events(r, lines.append)
     assert any("events on costs" in line for line in lines)
-    assert any("engine process's CPU" in line for line in lines)
+    assert any("engine process's CPU" in line and "encoder process's" in line for line in lines)
     assert any("engine thread's CPU" in line for line in lines)
     with pytest.raises(ValueError, match="repeat"):
         bench_events(chains=1, chain_blocks=1, block_size=1, repeat=0)

@@ -236,8 +236,11 @@ def test_subscribers_get_each_batch_in_order_with_in_process_bytes(
     for seq, payload in enumerate(sent):
         topic, seq_bytes, got = sub.recv_multipart()
         assert (topic, int.from_bytes(seq_bytes, "big"), got) == (b"", seq, payload)
+    started = publisher.encoder_cpu_s  # reported when it was ready: its imports
+    assert started > 0.0
     assert publisher.wait_published(5)
     assert publisher.dropped_batches == 0
+    assert started < publisher.encoder_cpu_s < 60.0  # the child's own CPU, as it reported
     # A late subscriber catches up through the child's replay socket.
     req = ctx.socket(zmq.DEALER)
     req.setsockopt(zmq.RCVTIMEO, 10_000)
@@ -629,9 +632,7 @@ class _Child:
         each time it has caught up, so several frames may share one report)."""
         counts: list[int] = []
         while not counts or counts[-1] < sent:
-            report = self.report()
-            assert set(report) == {"sent"}, report
-            counts.append(report["sent"])
+            counts.append(_sent(self.report()))
         assert counts == sorted(set(counts)), counts
         return counts
 
@@ -732,7 +733,7 @@ def test_the_child_publishes_each_frame_with_its_number_and_in_process_bytes(
 ) -> None:
     child = start_child(topic="kv", data_parallel_rank=3)
     ready = child.report()
-    assert set(ready) == {"endpoint", "replay_endpoint"}
+    assert set(ready) == {"endpoint", "replay_endpoint", "cpu"} and ready["cpu"] > 0
     assert TCP.fullmatch(ready["endpoint"]) and ready["replay_endpoint"] is None
     ctx: Ctx = zmq.Context()
     sub = _sub_socket(ctx)
@@ -758,7 +759,7 @@ def test_the_child_publishes_each_frame_with_its_number_and_in_process_bytes(
         assert child.sent_reports_until(first + 3)[-1] == first + 3
         child.stop()
         assert child.exit_code() == 0
-        assert child.report() == {"sent": first + 3}  # its last word
+        assert _sent(child.report()) == first + 3  # its last word
         assert child.quiet(100)
         assert not sub.poll(100)
         # Its publisher is closed: the address is free again.
@@ -793,7 +794,7 @@ def test_the_child_keeps_batches_for_replay_in_the_encoding_asked_for(
         ctx.term()
     child.stop()
     assert child.exit_code() == 0
-    assert child.report() == {"sent": 3}
+    assert _sent(child.report()) == 3
 
 
 def test_the_child_takes_a_frame_that_comes_in_pieces_once_it_is_whole(
@@ -830,15 +831,25 @@ def test_the_child_exits_when_the_engine_process_is_gone(
     child = start_child()
     assert TCP.fullmatch(child.report()["endpoint"])
     child.send(encode_frame(_evicting_batches(1)[0], seq=0, ts=0.0))
-    assert child.report() == {"sent": 1}
+    assert _sent(child.report()) == 1
     assert child.quiet(300)
     assert child.thread.is_alive()
     child.parent_gone.set()  # os.getppid() is no longer the engine's pid
     t0 = time.monotonic()
     assert child.exit_code() == 0
     assert time.monotonic() - t0 < 5  # at its next idle poll, not at some timeout
-    assert child.report() == {"sent": 1}
+    assert _sent(child.report()) == 1
     assert child.quiet(100)
+
+
+def _sent(report: dict[str, Any]) -> int:
+    """The batch count of a child's "sent" report, checked for its shape: the count
+    and the child's CPU time so far (`ProcessEventPublisher.encoder_cpu_s`)."""
+    assert set(report) == {"sent", "cpu"}, report
+    assert type(report["sent"]) is int and type(report["cpu"]) is float, report
+    assert report["cpu"] > 0, report  # it has started an interpreter at least
+    sent: int = report["sent"]
+    return sent
 
 
 def _program(**config: Any) -> subprocess.Popen[bytes]:
@@ -861,10 +872,10 @@ def test_the_program_reads_its_stdin_reports_on_its_stdout_and_ignores_ctrl_c() 
         frame = encode_frame(_evicting_batches(1)[0], seq=4, ts=0.0)
         proc.stdin.write(len(frame).to_bytes(4, "little") + frame)
         proc.stdin.flush()
-        assert json.loads(proc.stdout.readline()) == {"sent": 1}
+        assert _sent(json.loads(proc.stdout.readline())) == 1
         proc.stdin.close()  # the end of its stdin: it stops
         assert proc.wait(WAIT_MS / 1000) == 0
-        assert [json.loads(line) for line in proc.stdout] == [{"sent": 1}]  # its last word
+        assert [_sent(json.loads(line)) for line in proc.stdout] == [1]  # its last word
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -1104,7 +1115,7 @@ def test_the_child_builds_its_publisher_with_the_engines_settings(
     child = start_child(
         topic="kv", buffer_batches=9, data_parallel_rank=2, queue_batches=7, legacy=True, hwm=123
     )
-    assert set(child.report()) == {"endpoint", "replay_endpoint"}
+    assert set(child.report()) == {"endpoint", "replay_endpoint", "cpu"}
     (publisher,) = made
     assert (publisher.topic, publisher.data_parallel_rank, publisher.legacy) == ("kv", 2, True)
     assert (publisher._buffer.maxlen, publisher._queue_batches) == (9, 7)
@@ -1118,7 +1129,7 @@ def test_a_child_stopped_while_nobody_reads_its_reports_still_exits_cleanly(
 ) -> None:
     """Its last report does not fit in the full status pipe: dropped, never waited for."""
     child = start_child()
-    assert set(child.report()) == {"endpoint", "replay_endpoint"}
+    assert set(child.report()) == {"endpoint", "replay_endpoint", "cpu"}
     for seq in range(40_000):
         child.send(encode_frame([AllBlocksCleared()], seq=seq, ts=0.0))
     child.stop()
