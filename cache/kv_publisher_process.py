@@ -73,19 +73,10 @@ from typing import IO, Any
 import msgspec
 import zmq
 
-from cache.event_log import (
-    EventRecords,
-    StoredRun,
-    device_stored,
-    plain_extra_keys,
-)
-from cache.events import (
-    BlockRemoved,
-    Event,
-)
-from cache.keys import PackedTokens
+from cache.event_log import EventRecords, StoredRun
+from cache.events import BlockRemoved, Event
 
-__all__ = ["ProcessEventPublisher", "decode_frame", "encode_frame"]
+__all__ = ["ProcessEventPublisher", "decode_frame", "decode_records", "encode_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -153,24 +144,28 @@ def encode_frame(
 def decode_frame(frame: bytes) -> tuple[int, float, list[Event]]:
     """`(seq, ts, events)` of a frame: the events its batch holds, built. Their
     wire bytes (`encode_batch`) are those of the events the frame was made from."""
+    seq, ts, records = decode_records(frame)
+    return seq, ts, records.events()
+
+
+def decode_records(frame: bytes) -> tuple[int, float, EventRecords]:
+    """`(seq, ts, records)` of a frame: its batch as the engine drained it, each
+    commit's stored blocks a stored run again (what the child publishes: encoded
+    straight from the runs, as `KVEventPublisher` does in the engine's process,
+    with no event built per commit). `records.events()` is `decode_frame`'s list."""
     seq, ts, items = _decoder.decode(frame)
-    events: list[Event] = []
+    runs: list[Event | StoredRun] = []
     for item in items:
         kind = item[0]
         if kind == _STORED:
             _, parent, block_size, namespace, hashes, blocks, tokens = item
-            extras = plain_extra_keys(namespace, len(hashes))
-            token_ids = PackedTokens(tokens)
-            stored = device_stored(
-                tuple(hashes), tuple(blocks), parent, token_ids, block_size, namespace, extras
-            )
-            events.append(stored)
+            runs.append((parent, hashes, tokens, blocks, block_size, namespace))
         elif kind == _REMOVED:
             _, hashes, blocks, namespace, medium, group = item
-            events.append(BlockRemoved(tuple(hashes), tuple(blocks), namespace, medium, group))
+            runs.append(BlockRemoved(tuple(hashes), tuple(blocks), namespace, medium, group))
         else:
-            events.append(pickle.loads(item[1]))
-    return seq, ts, events
+            runs.append(pickle.loads(item[1]))
+    return seq, ts, EventRecords(runs)
 
 
 # ---------------------------------------------------------------------- parent
@@ -573,8 +568,8 @@ def _child(config: dict[str, Any]) -> int:
                 break
             pending += chunk
             for frame in _take_frames(pending):
-                seq, ts, events = decode_frame(frame)
-                publisher.publish(events, ts=ts, seq=seq)
+                seq, ts, records = decode_records(frame)
+                publisher.publish(records, ts=ts, seq=seq)
             active_until = time.monotonic() + _ACTIVE_S
     finally:
         publisher.close()

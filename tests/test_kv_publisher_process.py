@@ -42,7 +42,13 @@ from cache import BlockTrie, CacheConfig
 from cache.events import AllBlocksCleared
 from cache.kv_events import encode_batch
 from cache.kv_publisher import KVEventPublisher
-from cache.kv_publisher_process import ProcessEventPublisher, _child, decode_frame, encode_frame
+from cache.kv_publisher_process import (
+    ProcessEventPublisher,
+    _child,
+    decode_frame,
+    decode_records,
+    encode_frame,
+)
 
 BIG = 1 << 40
 
@@ -109,6 +115,16 @@ def test_records_build_the_events_and_frames_carry_their_wire_bytes(
     seq, ts, decoded = decode_frame(encode_frame(drained, seq=7, ts=1.5))
     assert (seq, ts) == (7, 1.5)
     assert encode_batch(decoded, ts=1.5) == encode_batch(events, ts=1.5)
+    # What the child publishes: the commits as stored runs again, not built.
+    seq, ts, runs = decode_records(encode_frame(drained, seq=7, ts=1.5))
+    assert (seq, ts) == (7, 1.5)
+    kinds = [type(x) for x in runs.items]
+    assert kinds == [tuple if type(x) is tuple else type(x) for x in drained.items]
+    assert runs.events() == decoded
+    for legacy in (False, True):
+        assert encode_batch(runs, ts=1.5, legacy=legacy) == encode_batch(
+            events, ts=1.5, legacy=legacy
+        )
     if scheme == "xxh3":  # 64-bit hashes travel whole: the events themselves come back
         assert decoded == events  # block ids and namespaces too, which the wire lacks
 
