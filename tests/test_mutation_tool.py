@@ -367,13 +367,25 @@ def test_an_unchanged_file_holds_whatever_its_code_digest_says(tmp_path: Path) -
     assert got[0].counted == 0  # neither the bytes nor that digest match now
 
 
+def _diff_of(name: str) -> str:
+    """A stand-in for mutmut's diff of a mutant (names ending in 9 do not exist)."""
+    if name.endswith("_9"):
+        raise KeyError(name)
+    return f"--- a.py\n+++ a.py\n@@ -1 +1 @@\n-    old({name})\n+    new({name})\n"
+
+
+def _pin(name: str) -> str:
+    return mutation.diff_digest(_diff_of(name))
+
+
 def test_show_equivalents_prints_each_entry_under_its_reason_with_its_diff_now(
     tmp_path: Path,
 ) -> None:
     listing = tmp_path / "equivalent_mutants.txt"
     listing.write_text(
-        "# A.f: first reason,\n# on two lines.\ncache.a.x_f__mutmut_1\ncache.a.x_f__mutmut_2\n"
-        "# A.g: second reason.\ncache.a.x_g__mutmut_1\n\n"
+        "# A.f: first reason,\n# on two lines.\ncache.a.x_f__mutmut_1\n"
+        f"cache.a.x_f__mutmut_2  # diff {_pin('cache.a.x_f__mutmut_2')}\n"
+        "# A.g: second reason.\ncache.a.x_g__mutmut_1  # diff 0123456789ab\n\n"
         "# B.h: another file.\ncache.b.x_h__mutmut_1\n"
         "# A.k: a name mutmut no longer has.\ncache.a.x_k__mutmut_9\n"
     )
@@ -386,32 +398,170 @@ def test_show_equivalents_prints_each_entry_under_its_reason_with_its_diff_now(
     ]
     assert mutation.equivalent_reasons(tmp_path / "none.txt") == []
 
-    def diff_of(name: str) -> str:
-        if name.endswith("_9"):
-            raise KeyError(name)
-        return f"--- a.py\n+++ a.py\n@@ -1 +1 @@\n-    old({name})\n+    new({name})\n"
-
     lines: list[str] = []
-    shown = mutation.show_equivalents(["cache/a.py"], diff_of, lines.append, listing)
+    shown = mutation.show_equivalents(["cache/a.py"], _diff_of, lines.append, listing)
     assert shown == 4  # cache.b's entry is not shown
+    g_now = _pin("cache.a.x_g__mutmut_1")
     assert lines == [
         "",
         "# A.f: first reason,",
         "# on two lines.",
-        "  cache.a.x_f__mutmut_1",
+        f"  cache.a.x_f__mutmut_1  [not pinned; diff {_pin('cache.a.x_f__mutmut_1')}]",
         "      -    old(cache.a.x_f__mutmut_1)",
         "      +    new(cache.a.x_f__mutmut_1)",
-        "  cache.a.x_f__mutmut_2",
+        f"  cache.a.x_f__mutmut_2  [pinned, diff {_pin('cache.a.x_f__mutmut_2')}]",
         "      -    old(cache.a.x_f__mutmut_2)",
         "      +    new(cache.a.x_f__mutmut_2)",
         "",
         "# A.g: second reason.",
-        "  cache.a.x_g__mutmut_1",
+        f"  cache.a.x_g__mutmut_1  [CHANGED: pinned to diff 0123456789ab, diff now {g_now}]",
         "      -    old(cache.a.x_g__mutmut_1)",
         "      +    new(cache.a.x_g__mutmut_1)",
         "",
         "# A.k: a name mutmut no longer has.",
-        "  cache.a.x_k__mutmut_9",
+        "  cache.a.x_k__mutmut_9  [no such mutant]",
         "      -?",
         "      +? no such mutant now (KeyError: 'cache.a.x_k__mutmut_9')",
     ]
+
+
+def test_a_diff_digest_is_what_the_mutant_changes_and_the_lines_around_it() -> None:
+    diff = "--- cache/a.py\n+++ cache/a.py\n@@ -7,3 +7,3 @@\n     a = 1\n"
+    diff += "-    b = a > 2\n+    b = a >= 2\n"
+    digest = mutation.diff_digest(diff)
+    assert len(digest) == 12 and int(digest, 16) >= 0
+    moved = diff.replace("@@ -7,3 +7,3 @@", "@@ -9,3 +9,3 @@").replace("cache/a.py", "b.py")
+    assert mutation.diff_digest(moved) == digest  # where it is does not count
+    assert mutation.diff_digest(diff + "   \n") == mutation.diff_digest(diff + "\n")
+    for other in (
+        diff.replace(">= 2", "!= 2"),  # another change
+        diff.replace("a = 1", "a = 0"),  # the same change in another place
+    ):
+        assert mutation.diff_digest(other) != digest
+
+
+def test_pinning_pins_the_files_given_and_stale_entries_are_named(tmp_path: Path) -> None:
+    listing = tmp_path / "equivalent_mutants.txt"
+    listing.write_text(
+        "# A.f: why.\ncache.a.x_f__mutmut_1\ncache.a.x_f__mutmut_2  # diff 0123456789ab\n"
+        "\n# B.h: why not.\ncache.b.x_h__mutmut_1\n"
+    )
+    stale = mutation.stale_equivalents(["cache/a.py", "cache/b.py"], _diff_of, listing)
+    assert stale == [
+        ("cache.a.x_f__mutmut_1", f"not pinned (its diff now: {_pin('cache.a.x_f__mutmut_1')})"),
+        (
+            "cache.a.x_f__mutmut_2",
+            f"pinned to diff 0123456789ab, but its diff now is {_pin('cache.a.x_f__mutmut_2')}",
+        ),
+        ("cache.b.x_h__mutmut_1", f"not pinned (its diff now: {_pin('cache.b.x_h__mutmut_1')})"),
+    ]
+    assert mutation.pin_equivalents(["cache/a.py"], _diff_of, listing) == [
+        "cache.a.x_f__mutmut_1",
+        "cache.a.x_f__mutmut_2",
+    ]
+    assert listing.read_text() == (
+        f"# A.f: why.\ncache.a.x_f__mutmut_1  # diff {_pin('cache.a.x_f__mutmut_1')}\n"
+        f"cache.a.x_f__mutmut_2  # diff {_pin('cache.a.x_f__mutmut_2')}\n"
+        "\n# B.h: why not.\ncache.b.x_h__mutmut_1\n"  # another file: as it was
+    )
+    assert mutation.load_equivalent(listing) == {
+        "cache.a.x_f__mutmut_1",
+        "cache.a.x_f__mutmut_2",
+        "cache.b.x_h__mutmut_1",
+    }
+    assert mutation.stale_equivalents(["cache/a.py"], _diff_of, listing) == []
+    # A name mutmut no longer has: named as stale, and pinning it writes nothing.
+    before = listing.read_text() + "cache.a.x_k__mutmut_9\n"
+    listing.write_text(before)
+    assert mutation.stale_equivalents(["cache/a.py"], _diff_of, listing) == [
+        ("cache.a.x_k__mutmut_9", "no such mutant now")
+    ]
+    with pytest.raises(ValueError, match=r"x_k__mutmut_9: no such mutant now"):
+        mutation.pin_equivalents(["cache/a.py"], _diff_of, listing)
+    assert listing.read_text() == before
+
+
+def test_a_record_keeps_its_equivalents_and_ends_when_they_change(tmp_path: Path) -> None:
+    listing = tmp_path / "equivalent_mutants.txt"
+    listing.write_text(f"# why.\ncache.a.a3  # diff {_pin('cache.a.a3')}\n")
+    record = _scored(tmp_path, {"cache.a.a1": 1, "cache.a.a2": 1, "cache.a.a3": 0})
+    scores = mutation.read_scores(["cache/a.py"], tmp_path, listing)
+    assert scores[0].equivalent == 1 and scores[0].score == 100.0
+    mutation.save_record(scores, tmp_path, record, listing)
+    assert mutation.load_record(record)["cache/a.py"].equivalents == {
+        "cache.a.a3": _pin("cache.a.a3")
+    }
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record, listing)
+    assert got[0].score == 100.0 and notes["cache/a.py"].startswith("recorded at ")
+    for changed in (
+        "# why.\ncache.a.a3  # diff 0123456789ab\n",  # pinned to another diff
+        "",  # removed: a3 would count as a survivor
+        f"# why.\ncache.a.a3  # diff {_pin('cache.a.a3')}\ncache.a.a2\n",  # one added
+    ):
+        listing.write_text(changed)
+        got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record, listing)
+        assert got[0].counted == 0
+        assert notes["cache/a.py"].startswith("accepted equivalents changed since ")
+    listing.write_text(f"# why.\ncache.a.a3  # diff {_pin('cache.a.a3')}\ncache.b.b1\n")
+    got, _ = mutation.recorded_scores(["cache/a.py"], tmp_path, record, listing)
+    assert got[0].score == 100.0  # another file's entry changes nothing here
+
+
+def test_rekey_gives_an_old_record_its_equivalents_once_they_are_all_pinned(
+    tmp_path: Path,
+) -> None:
+    listing = tmp_path / "equivalent_mutants.txt"
+    listing.write_text("# why.\ncache.a.a3\n")
+    record = _scored(tmp_path, {"cache.a.a1": 1, "cache.a.a3": 0}, source=_SOURCE)
+    mutation.save_record(mutation.read_scores(["cache/a.py"], tmp_path, listing), tmp_path, record)
+    entries = json.loads(record.read_text())
+    del entries["cache/a.py"]["equivalents"]  # a record made before pins
+    record.write_text(json.dumps(entries))
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record, listing)
+    assert got[0].counted == 0
+    assert notes["cache/a.py"].startswith("equivalents not recorded (")
+    assert mutation.rekey_record(tmp_path, record, listing) == []  # a3 is not pinned
+    listing.write_text(f"# why.\ncache.a.a3\ncache.a.a1  # diff {_pin('cache.a.a1')}\n")
+    mutation.pin_equivalents(["cache/a.py"], _diff_of, listing)
+    assert mutation.rekey_record(tmp_path, record, listing) == []  # a1 was not left out
+    listing.write_text("# why.\ncache.a.a3\n")
+    mutation.pin_equivalents(["cache/a.py"], _diff_of, listing)
+    (tmp_path / "cache" / "a.py").write_text("x = 2\n")  # and the record no longer holds
+    assert mutation.rekey_record(tmp_path, record, listing) == []
+    (tmp_path / "cache" / "a.py").write_text(_SOURCE)
+    assert mutation.rekey_record(tmp_path, record, listing) == ["cache/a.py"]
+    assert mutation.rekey_record(tmp_path, record, listing) == []  # done once
+    got, notes = mutation.recorded_scores(["cache/a.py"], tmp_path, record, listing)
+    assert got[0].score == 100.0 and notes["cache/a.py"].startswith("recorded at ")
+
+
+def test_record_refuses_a_file_with_stale_equivalents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "lru.py").write_text("x = 1\n")
+    meta = tmp_path / "mutants" / "cache"
+    meta.mkdir(parents=True)
+    (meta / "lru.py.meta").write_text(
+        json.dumps({"exit_code_by_key": {"cache.lru.l1": 1, "cache.lru.l2": 0}})
+    )
+    listing = tmp_path / "equivalent_mutants.txt"
+    listing.write_text("# why.\ncache.lru.l2\n")
+    record = tmp_path / "scores.json"
+    monkeypatch.chdir(tmp_path)
+    for name, value in (("ROOT", tmp_path), ("RECORD", record), ("EQUIVALENT", listing)):
+        monkeypatch.setattr(mutation, name, value)
+    monkeypatch.setattr(mutation, "_mutmut_diff", _diff_of)
+    argv = ["--report-only", "--record", "--paths", "cache/lru.py"]
+    assert mutation.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stale accepted equivalent: cache.lru.l2: not pinned" in err
+    assert "not recorded:" in err and not record.exists()
+    assert mutation.main(["--pin-equivalents", "--paths", "cache/lru.py"]) == 0
+    assert capsys.readouterr().out == "pinned 1 accepted equivalent(s) in equivalent_mutants.txt\n"
+    assert mutation.main(argv) == 0
+    kept = mutation.load_record(record)["cache/lru.py"]
+    assert kept.score.killed == 1 and kept.score.equivalent == 1
+    assert kept.equivalents == {"cache.lru.l2": _pin("cache.lru.l2")}
+    with pytest.raises(SystemExit):
+        mutation.main(["--pin-equivalents"])  # which files: --paths

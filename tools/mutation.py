@@ -23,9 +23,21 @@ recorded) counts as unscored. A record stays valid while the file's code is
 unchanged: tests are only ever added, which can kill more, never fewer. What
 counts as its code is what mutmut mutates and runs (`code_digest`): editing a
 docstring or a comment keeps the record; any other edit, or a ``pragma: no
-mutate`` line added or changed, voids it. ``--rekey`` gives records made before
-that rule (kept by the SHA-256 of the file's bytes alone) their code digest,
-for every file whose bytes are still the ones measured.
+mutate`` line added or changed, voids it.
+
+Accepted equivalents are named by mutmut's names (function and number), and an
+edit to a function renumbers its mutants: an entry may then name another
+mutant, silently left out of the score. So each entry is *pinned* to the diff
+it was accepted for (a trailing ``# diff <12 hex digits>``, `diff_digest`):
+``--show-equivalents`` prints each entry's reason, its diff now and whether
+that still matches its pin; ``--pin-equivalents --paths FILE`` pins a file's
+entries to their diffs now, once they have been read; ``--record`` refuses to
+record a file whose entries are unpinned, gone or changed; and a record keeps
+the file's entries with their pins, so that ``--recorded`` counts the file as
+unscored when its list has changed since (an entry added or removed changes
+what the score means). ``--rekey`` brings records made before a rule up to it:
+the code digest where the file's bytes are still the ones measured, and the
+accepted equivalents where the record holds and all of them are pinned.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -92,6 +105,9 @@ class Recorded:
     date: str
     code_sha256: str = ""
     """`code_digest` of the source (empty in a record made before it existed)."""
+    equivalents: dict[str, str | None] | None = None
+    """The file's accepted equivalents and their pins when it was recorded
+    (`listed_for`; None in a record made before pins existed)."""
 
 
 def source_digest(path: str, root: Path = ROOT) -> str:
@@ -161,6 +177,7 @@ def load_record(path: Path = RECORD) -> dict[str, Recorded]:
             entry["commit"],
             entry["date"],
             entry.get("code_sha256", ""),
+            entry.get("equivalents"),
         )
     return recorded
 
@@ -181,11 +198,14 @@ def _write_record(entries: dict[str, object], path: Path) -> None:
 
 
 def save_record(
-    scores: Sequence[FileScore], root: Path = ROOT, path: Path = RECORD
+    scores: Sequence[FileScore],
+    root: Path = ROOT,
+    path: Path = RECORD,
+    listing: Path = EQUIVALENT,
 ) -> list[FileScore]:
     """Record `scores` (files with results only) over `path`'s entries; returns those
-    recorded. Each entry keeps the source's SHA-256, its `code_digest`, the commit and
-    the date."""
+    recorded. Each entry keeps the source's SHA-256, its `code_digest`, the file's
+    accepted equivalents with their pins, the commit and the date."""
     entries = json.loads(path.read_text()) if path.exists() else {}
     commit = _head_commit(root)
     today = datetime.date.today().isoformat()
@@ -195,6 +215,7 @@ def save_record(
             "score": asdict(s),
             "source_sha256": source_digest(s.path, root),
             "code_sha256": code_digest(s.path, root),
+            "equivalents": listed_for(s.path, listing),
             "commit": commit,
             "date": today,
         }
@@ -202,29 +223,48 @@ def save_record(
     return kept
 
 
-def rekey_record(root: Path = ROOT, path: Path = RECORD) -> list[str]:
-    """Add the code digest to every entry of `path` that has none and whose file's
-    bytes are still the ones measured; returns those files. Entries whose file
-    changed are left as they are (unscored until measured again)."""
+def rekey_record(root: Path = ROOT, path: Path = RECORD, listing: Path = EQUIVALENT) -> list[str]:
+    """Bring entries made before a rule up to it; returns the files changed.
+
+    - The code digest, for every entry that has none and whose file's bytes are
+      still the ones measured.
+    - The file's accepted equivalents, for every entry that has none, still holds,
+      and whose equivalents are all pinned (`pin_equivalents`, after reading them
+      with `show_equivalents`: the pins say each name was read against its diff)
+      and as many as the run left out of the score.
+
+    Other entries are left as they are (unscored until measured again)."""
     if not path.exists():
         return []
     entries = json.loads(path.read_text())
     rekeyed = []
     for file, entry in entries.items():
-        if entry.get("code_sha256"):
-            continue
-        if entry["source_sha256"] == source_digest(file, root):
+        changed = False
+        if not entry.get("code_sha256") and entry["source_sha256"] == source_digest(file, root):
             entry["code_sha256"] = code_digest(file, root)
+            changed = True
+        listed = listed_for(file, listing)
+        counted = entry["score"].get("equivalent", 0)  # what the run left out
+        if "equivalents" not in entry and all(listed.values()) and len(listed) == counted:
+            rec = Recorded(
+                FileScore(file), entry["source_sha256"], "", "", entry.get("code_sha256", "")
+            )
+            if holds(rec, file, root):
+                entry["equivalents"] = listed
+                changed = True
+        if changed:
             rekeyed.append(file)
     _write_record(entries, path)
     return rekeyed
 
 
 def recorded_scores(
-    paths: Sequence[str], root: Path = ROOT, path: Path = RECORD
+    paths: Sequence[str], root: Path = ROOT, path: Path = RECORD, listing: Path = EQUIVALENT
 ) -> tuple[list[FileScore], dict[str, str]]:
     """Scores from the record, and a note per file: where it was recorded, or why it
-    counts as unscored (never recorded, or its source changed since)."""
+    counts as unscored (never recorded, its source changed since, or its accepted
+    equivalents or their pins differ from those it was recorded with: each is left
+    out of the score, so a changed list changes what the score means)."""
     record = load_record(path)
     scores, notes = [], {}
     for file in paths:
@@ -235,6 +275,13 @@ def recorded_scores(
         elif not holds(rec, file, root):
             scores.append(FileScore(file))
             notes[file] = f"source changed since {rec.commit}"
+        elif rec.equivalents != listed_for(file, listing):
+            scores.append(FileScore(file))
+            notes[file] = (
+                f"equivalents not recorded ({rec.commit}): --rekey after pinning them"
+                if rec.equivalents is None
+                else f"accepted equivalents changed since {rec.commit}"
+            )
         else:
             scores.append(rec.score)
             notes[file] = f"recorded at {rec.commit}, {rec.date}"
@@ -297,6 +344,94 @@ def equivalent_reasons(path: Path = EQUIVALENT) -> list[tuple[str, list[str]]]:
     return entries
 
 
+_PIN = re.compile(r"#\s*diff\s+([0-9a-f]{12})\b")
+"""An entry's pin: a trailing ``# diff <12 hex digits>`` comment (`diff_digest`)."""
+
+
+def diff_digest(diff: str) -> str:
+    """12 hex digits of the SHA-256 of a mutant's diff, without its headers (the
+    file names and the hunk's line numbers): what the mutant changes, and the
+    lines around it."""
+    body = [
+        line.rstrip() for line in diff.splitlines() if not line.startswith(("---", "+++", "@@"))
+    ]
+    return hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]
+
+
+def equivalent_pins(path: Path = EQUIVALENT) -> dict[str, str | None]:
+    """Each accepted equivalent's pinned diff digest (None when it has no pin)."""
+    if not path.exists():
+        return {}
+    pins: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        name = line.split("#", 1)[0].strip()
+        if name:
+            pin = _PIN.search(line)
+            pins[name] = pin.group(1) if pin else None
+    return pins
+
+
+def _modules(paths: Sequence[str]) -> tuple[str, ...]:
+    return tuple(mutant_glob(p)[:-1] for p in paths)
+
+
+def _current_digest(name: str, diff_of: Callable[[str], str]) -> str | None:
+    """The digest of `name`'s diff now; None when mutmut has no such mutant."""
+    try:
+        return diff_digest(diff_of(name))
+    except Exception:  # a name mutmut no longer has
+        return None
+
+
+def stale_equivalents(
+    paths: Sequence[str], diff_of: Callable[[str], str], listing: Path = EQUIVALENT
+) -> list[tuple[str, str]]:
+    """The accepted equivalents of `paths` whose pin does not match their diff now,
+    with why: not pinned, no such mutant now, or a diff changed since it was pinned
+    (an edit renumbered the function's mutants, so the name now means another)."""
+    modules = _modules(paths)
+    stale = []
+    for name, pin in equivalent_pins(listing).items():
+        if not name.startswith(modules):
+            continue
+        now = _current_digest(name, diff_of)
+        if now is None:
+            stale.append((name, "no such mutant now"))
+        elif pin is None:
+            stale.append((name, f"not pinned (its diff now: {now})"))
+        elif pin != now:
+            stale.append((name, f"pinned to diff {pin}, but its diff now is {now}"))
+    return stale
+
+
+def pin_equivalents(
+    paths: Sequence[str], diff_of: Callable[[str], str], listing: Path = EQUIVALENT
+) -> list[str]:
+    """Pin every accepted equivalent of `paths` to its diff now (after reading it
+    with `show_equivalents`), rewriting only those entries' lines; returns the names
+    pinned. Raises `ValueError`, writing nothing, for a name mutmut does not have."""
+    modules = _modules(paths)
+    lines = listing.read_text().splitlines()
+    pinned = []
+    for i, line in enumerate(lines):
+        name = line.split("#", 1)[0].strip()
+        if not name or not name.startswith(modules):
+            continue
+        now = _current_digest(name, diff_of)
+        if now is None:
+            raise ValueError(f"{name}: no such mutant now; remove it from {listing.name}")
+        lines[i] = f"{name}  # diff {now}"
+        pinned.append(name)
+    listing.write_text("\n".join(lines) + "\n")
+    return pinned
+
+
+def listed_for(file: str, listing: Path = EQUIVALENT) -> dict[str, str | None]:
+    """`file`'s accepted equivalents with their pins (what a record keeps)."""
+    module = _modules([file])
+    return {n: p for n, p in equivalent_pins(listing).items() if n.startswith(module)}
+
+
 def show_equivalents(
     paths: Sequence[str],
     diff_of: Callable[[str], str],
@@ -308,7 +443,8 @@ def show_equivalents(
     names a mutant by function and number, and an edit to the function renumbers
     its mutants, so read the diffs against the reasons after any such edit.
     Returns how many entries were shown."""
-    modules = tuple(mutant_glob(p)[:-1] for p in paths)
+    modules = _modules(paths)
+    pins = equivalent_pins(listing)
     shown = 0
     last: list[str] | None = None
     for name, reason in equivalent_reasons(listing):
@@ -319,11 +455,21 @@ def show_equivalents(
             for text in reason:
                 out(text)
             last = reason
-        out(f"  {name}")
         try:
             diff = diff_of(name)
         except Exception as exc:  # a name mutmut no longer has: stale for sure
             diff = f"-?\n+? no such mutant now ({type(exc).__name__}: {exc})"
+            status = "no such mutant"
+        else:
+            now, pin = diff_digest(diff), pins.get(name)
+            status = (
+                f"not pinned; diff {now}"
+                if pin is None
+                else f"pinned, diff {now}"
+                if pin == now
+                else f"CHANGED: pinned to diff {pin}, diff now {now}"
+            )
+        out(f"  {name}  [{status}]")
         for change in diff.splitlines():
             if change[:1] in "+-" and not change.startswith(("---", "+++")):
                 out(f"      {change}")
@@ -356,9 +502,11 @@ def score_file(path: str, exit_codes: dict[str, int | None], equivalent: set[str
     return result
 
 
-def read_scores(paths: Sequence[str], root: Path = ROOT) -> list[FileScore]:
+def read_scores(
+    paths: Sequence[str], root: Path = ROOT, listing: Path = EQUIVALENT
+) -> list[FileScore]:
     """Scores from ``mutants/<path>.meta``; a file with no results scores 0 mutants."""
-    equivalent = load_equivalent()
+    equivalent = load_equivalent(listing)
     scores = []
     for path in paths:
         meta = root / "mutants" / f"{path}.meta"
@@ -435,16 +583,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="print each accepted equivalent's reason and its mutant's diff now (after a run)",
     )
+    parser.add_argument(
+        "--pin-equivalents",
+        action="store_true",
+        help="pin each accepted equivalent of --paths to its mutant's diff now (after a run, "
+        "once --show-equivalents has been read)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="list surviving mutants")
     args = parser.parse_args(argv)
     if args.record and args.recorded:
         parser.error("--record keeps a run's results; --recorded reads them back: pick one")
-    if args.show_equivalents:
+    if args.show_equivalents or args.pin_equivalents:
         os.chdir(ROOT)  # mutmut reads its configuration and mutants/ from here
-        show_equivalents(args.paths or core_paths(), _mutmut_diff)
+        if args.pin_equivalents:
+            if not args.paths:
+                parser.error("--pin-equivalents pins the files given with --paths")
+            pinned = pin_equivalents(args.paths, _mutmut_diff, EQUIVALENT)
+            print(f"pinned {len(pinned)} accepted equivalent(s) in {EQUIVALENT.name}")
+        else:
+            show_equivalents(args.paths or core_paths(), _mutmut_diff, listing=EQUIVALENT)
         return 0
     if args.rekey:
-        rekeyed = rekey_record(ROOT, RECORD)
+        rekeyed = rekey_record(ROOT, RECORD, EQUIVALENT)
         print(f"rekeyed {len(rekeyed)} file(s) in {RECORD.relative_to(ROOT)}")
         return 0
     core = core_paths()
@@ -453,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"not in the mutated core ([tool.mutmut]): {unknown}")
     if args.recorded:
-        scores, notes = recorded_scores(paths)
+        scores, notes = recorded_scores(paths, ROOT, RECORD, EQUIVALENT)
         return 0 if report(scores, args.threshold, args.verbose, notes) else 1
     if not args.report_only:
         # Derandomized, short Hypothesis runs: the covering tests run once per mutant.
@@ -471,9 +631,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"mutmut exited with {done.returncode}", file=sys.stderr)
             return 2
-    scores = read_scores(paths)
+    scores = read_scores(paths, ROOT, EQUIVALENT)
     if args.record:
-        kept = save_record(scores)
+        os.chdir(ROOT)
+        with_results = [s.path for s in scores if s.counted or s.not_counted]
+        stale = stale_equivalents(with_results, _mutmut_diff, EQUIVALENT)
+        if stale:
+            for name, why in stale:
+                print(f"stale accepted equivalent: {name}: {why}", file=sys.stderr)
+            print(
+                "not recorded: read them with --show-equivalents, fix the list, then "
+                "--pin-equivalents --paths FILE",
+                file=sys.stderr,
+            )
+            return 1
+        kept = save_record(scores, ROOT, RECORD, EQUIVALENT)
         print(f"recorded {len(kept)} file(s) in {RECORD.relative_to(ROOT)}")
     return 0 if report(scores, args.threshold, args.verbose) else 1
 
