@@ -15,15 +15,15 @@ Transport: the child is started with the same interpreter (``python -m
 cache.kv_publisher_process``); frames go down its stdin, each a 4-byte
 little-endian length and the frame, and it reports on its stdout, one JSON
 object per line (first that it is ready, or why its publisher failed; then how
-many batches it has sent; each with its CPU time so far: `encoder_cpu_s`). The engine's
-process runs no ZMQ at all: a frame costs it one non-blocking `write` (a ZMQ
-socket cost it a wake-up of its I/O thread per frame, several times the write,
-on the cores the engine and the child share). The child reads without waiting
-on the pipe while frames keep coming (it naps a millisecond between reads), so
-a write seldom has a sleeper to wake; after `_ACTIVE_S` without a frame it
-waits on the pipe. It exits at the end of its stdin: when `close` closes it,
-or when the engine's process is gone (also checked by its parent pid while
-idle, in case another process holds the pipe).
+many batches it has sent; each with its CPU time so far: `encoder_cpu_s`). The
+engine's process runs no ZMQ at all: a frame costs it one non-blocking `write`
+(a ZMQ socket cost it a wake-up of its I/O thread per frame, several times the
+write, on the cores the engine and the child share). The child reads without
+waiting on the pipe while frames keep coming (it naps a millisecond between
+reads), so a write seldom has a sleeper to wake; after `_ACTIVE_S` without a
+frame it waits on the pipe. It exits at the end of its stdin: when `close`
+closes it, or when the engine's process is gone (also checked by its parent
+pid while idle, in case another process holds the pipe).
 
 Numbering and drops: the engine side numbers every batch. A frame the pipe
 cannot take (the child is behind and the pipe's buffer, 1 MiB where Linux
