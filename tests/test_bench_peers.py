@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import IMPLS as PEER_IMPLS
 from bench.peers import (
+    EVENT_MODES,
     Row,
     clock_overhead_ns,
     load_row,
     memory_child,
     rescale_trace,
     run_once,
+    run_paired,
 )
+from bench.peers import IMPLS as PEER_IMPLS
 
 LINES = [
     {"timestamp": 0, "input_length": 1100, "output_length": 600, "hash_ids": [0, 1, 2]},
@@ -75,7 +77,7 @@ def test_event_rows_hit_as_blocktrie_and_stop_their_encoder(
     workload = load_row(tmp_path, Row("tiny", "t.jsonl", 64), 16, tmp_path)
     assert workload is not None
     base = run_once(workload, PEER_IMPLS["blocktrie"], 16, 64, 0.0)
-    for name in ("blocktrie+events", "blocktrie+hash", "blocktrie+process"):
+    for name in EVENT_MODES:
         r = run_once(workload, PEER_IMPLS[name], 16, 64, 0.0)
         assert (r["hit_rate"], r["evicted_blocks"]) == (base["hit_rate"], base["evicted_blocks"])
     assert len(started) == 1
@@ -92,3 +94,52 @@ def test_memory_probe_counts_cached_blocks() -> None:
         m = memory_child(name, 64)
         assert m["impl"] == name and m["cached_blocks"] == 64
         assert m["bytes_per_block"] == m["rss_growth_bytes"] / 64
+
+
+def test_a_paired_run_replays_both_tries_alike_and_times_each_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_paired` drives blocktrie with events off and an events-on variant through
+    one replay: the same hits and evictions as blocktrie alone, a cost per block for
+    each side, and the encoder process stopped at the end."""
+    _write(tmp_path / "t.jsonl")
+    workload = load_row(tmp_path, Row("tiny", "t.jsonl", 64), 16, tmp_path)
+    assert workload is not None
+    base = run_once(workload, PEER_IMPLS["blocktrie"], 16, 3, 0.0)  # 3 blocks: it evicts
+    assert base["evicted_blocks"] > 0
+    for name in EVENT_MODES:
+        r = run_paired(workload, PEER_IMPLS[name], 16, 3, 0.0)
+        assert (r["hit_rate"], r["evicted_blocks"]) == (base["hit_rate"], base["evicted_blocks"])
+        assert r["off_ns_per_block"] > 0 and r["on_ns_per_block"] > 0
+        assert r["ratio"] == r["on_ns_per_block"] / r["off_ns_per_block"]
+
+
+def test_the_section_reports_every_row_it_has_a_trace_for_and_the_paired_events_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench_peers` end to end on a tiny stand-in for the conversation trace: its rows,
+    the events row (each variant paired with events off), and the missing
+    shared-prefix trace skipped."""
+    import argparse
+
+    from bench import peers
+
+    monkeypatch.setattr(peers, "find_vllm_python", lambda explicit: (None, "not here"))
+    _write(tmp_path / peers.CONVERSATION)
+    args = argparse.Namespace(
+        block_size=16, traces_dir=str(tmp_path), repeats=2, quick=True, memory=False
+    )
+    out: dict[str, object] = {}
+    lines: list[str] = []
+    peers.bench_peers(args, out, lambda *a: lines.append(" ".join(map(str, a))))
+    report = out["peers"]
+    assert isinstance(report, dict)
+    assert [r["capacity"] for r in report["rows"]] == [20_000, 60_000, 200_000, 200_000]
+    events = report["events"]
+    assert events["row"] == "conversation, 60k" and events["runs"] == 2
+    for key in ("encode", "hash", "process"):
+        cell = events[key]
+        assert cell["off_ns_per_block"] > 0 and cell["on_ns_per_block"] > 0 and cell["ratio"] > 0
+    text = "\n".join(lines)
+    assert "shared-prefix trace, 100k (no eviction): skipped" in text
+    assert "events on vs off, conversation, 60k" in text and "median of 2 runs" in text
