@@ -216,8 +216,11 @@ class _EventDrain:
     """
 
     def __init__(self, trie: Any, mode: str = "encode") -> None:
+        from cache.kv_events import encode_batch
+
         self._trie = trie
         self._mode = mode
+        self._encode = encode_batch
         self._publisher: Any = None
         if mode == "process":
             from cache.kv_publisher_process import ProcessEventPublisher
@@ -233,8 +236,6 @@ class _EventDrain:
         return value
 
     def poll(self) -> int:
-        from cache.kv_events import encode_batch
-
         n = int(self._trie.poll())
         if self._publisher is not None:
             records = self._trie.drain_event_records()
@@ -243,7 +244,7 @@ class _EventDrain:
             return n
         records = self._trie.drain_event_records()
         if records and self._mode == "encode":
-            encode_batch(records, ts=0.0)
+            self._encode(records, ts=0.0)
         return n
 
     def close(self) -> None:

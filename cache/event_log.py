@@ -336,24 +336,28 @@ class EventLog:
     def drain_records(self) -> EventRecords:
         """Return and forget the events emitted since the last drain, unbuilt.
 
-        The drained views for `check()` are updated from the records directly
-        (a stored run adds its block ids), so nothing is built here.
+        The drained views for `check()` are updated from the records directly,
+        in order (a stored run adds its block ids, a device KV `BlockRemoved`
+        removes its own; other events go through `replay_views`), so nothing is
+        built here.
         """
         items = self._events
         self._events = []
-        views = self._views()
         gpu = self._drained_view
-        pending: list[Event] = []  # events between runs, replayed in order
+        views: dict[tuple[int, str], set[int]] | None = None
         for item in items:
-            if type(item) is tuple:
-                if pending:
-                    replay_views(pending, views)
-                    pending = []
+            if type(item) is tuple:  # a stored run
                 gpu.update(item[3])
-            else:
-                pending.append(item)  # type: ignore[arg-type]
-        if pending:
-            replay_views(pending, views)
+            elif (
+                type(item) is BlockRemoved
+                and item.medium == MEDIUM_GPU
+                and item.group_idx == KV_GROUP
+            ):
+                gpu.difference_update(item.block_ids)
+            else:  # the host tier's, checkpoints' and clears: rare
+                if views is None:
+                    views = self._views()
+                replay_views((item,), views)  # type: ignore[arg-type]
         return EventRecords(items)
 
     def replayed_blocks(self) -> set[int] | None:
