@@ -39,7 +39,13 @@ published batch, as an engine draining events once per step would):
   differ by up to 3.6x; paused, by under 3%). Leaving the collector's time out
   of both sides makes the ratio conservative: it shrinks the events-off
   cost, and events add no GC-tracked object per block (their records are
-  one tuple and one list per commit). Issue 9's goal is <= 0.25.
+  one tuple and one list per commit). Issue 9's goal is <= 0.25. The same
+  in the engine process's CPU (``events_cpu_over_blocktrie``: each side's
+  read in its own turns, other threads' CPU charged to the events-on side)
+  and in the engine thread's CPU (``events_thread_over_blocktrie``); the
+  three again through an encoder process (``events_process_*``); and the
+  engine's CPU plus what the encoder process reports using
+  (``events_process_total_cpu_over_blocktrie``).
   ``components_over_blocktrie`` = (hash xxh3 + build + publish_e2e) /
   blocktrie sums the parts measured alone (it misses the commit-side
   bookkeeping the end-to-end figure includes), and
