@@ -408,8 +408,10 @@ def pin_equivalents(
     paths: Sequence[str], diff_of: Callable[[str], str], listing: Path = EQUIVALENT
 ) -> list[str]:
     """Pin every accepted equivalent of `paths` to its diff now (after reading it
-    with `show_equivalents`), rewriting only those entries' lines; returns the names
-    pinned. Raises `ValueError`, writing nothing, for a name mutmut does not have."""
+    with `show_equivalents`), rewriting only those entries' lines (the pin takes the
+    place of any trailing comment: reasons belong in the comment block above);
+    returns the names pinned. Raises `ValueError`, writing nothing, for a name
+    mutmut does not have."""
     modules = _modules(paths)
     lines = listing.read_text().splitlines()
     pinned = []
