@@ -406,9 +406,9 @@ class ProcessEventPublisher:
         if not self._closed:
             with contextlib.suppress(BrokenPipeError):
                 self._flush()
-        for report in self._reports():
-            self.published_batches = max(self.published_batches, int(report.get("sent", 0)))
-            self.encoder_cpu_s = max(self.encoder_cpu_s, float(report.get("cpu", 0.0)))
+        for report in self._reports():  # after the first (`_wait_status`): {sent, cpu}
+            self.published_batches = max(self.published_batches, int(report["sent"]))
+            self.encoder_cpu_s = max(self.encoder_cpu_s, float(report["cpu"]))
         return self.published_batches
 
     def wait_published(self, batches: int, timeout: float = 10.0) -> bool:

@@ -442,6 +442,30 @@ def test_frames_waiting_for_a_child_that_dies_are_counted_as_dropped(
         pub.close()
 
 
+def test_poll_status_counts_what_waits_for_a_child_that_has_died(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`poll_status` hands the child what waits for room, as every call does; a dead
+    child's broken pipe drops and logs it there, and `poll_status` still answers."""
+    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=2)
+    try:
+        pub._proc.send_signal(signal.SIGSTOP)
+        _fill(pub, refusals=1)
+        dropped = pub.dropped_batches
+        pub._proc.kill()
+        pub._proc.wait()
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
+            assert pub.poll_status() == pub.published_batches
+        assert (pub.queued_batches, pub.dropped_batches) == (0, dropped + 2)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"KV event encoder process exited: dropped the 2 batches waiting for it "
+            f"({dropped + 2} batches / {dropped + 2} events dropped so far)"
+        ]
+    finally:
+        pub.close()
+
+
 def test_close_counts_what_waits_for_a_child_that_has_died(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
