@@ -442,11 +442,13 @@ def test_frames_waiting_for_a_child_that_dies_are_counted_as_dropped(
         pub.close()
 
 
-def test_poll_status_counts_what_waits_for_a_child_that_has_died(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("finder", ["poll_status", "close"])
+def test_what_waits_for_a_child_that_has_died_is_counted_and_logged(
+    finder: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`poll_status` hands the child what waits for room, as every call does; a dead
-    child's broken pipe drops and logs it there, and `poll_status` still answers."""
+    """`poll_status` and `close` hand the child what waits for room, as every call
+    does; a dead child's broken pipe drops and logs it there, without raising and
+    without waiting."""
     pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=2)
     try:
         pub._proc.send_signal(signal.SIGSTOP)
@@ -455,36 +457,20 @@ def test_poll_status_counts_what_waits_for_a_child_that_has_died(
         pub._proc.kill()
         pub._proc.wait()
         caplog.clear()
+        t0 = time.monotonic()
         with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
-            assert pub.poll_status() == pub.published_batches
+            if finder == "poll_status":
+                assert pub.poll_status() == pub.published_batches
+            else:
+                pub.close(timeout=30.0)
+        assert time.monotonic() - t0 < 10  # nothing waited for
         assert (pub.queued_batches, pub.dropped_batches) == (0, dropped + 2)
         assert [r.getMessage() for r in caplog.records] == [
-            f"KV event encoder process exited: dropped the 2 batches waiting for it "
+            "KV event encoder process exited: dropped the 2 batches waiting for it "
             f"({dropped + 2} batches / {dropped + 2} events dropped so far)"
         ]
     finally:
         pub.close()
-
-
-def test_close_counts_what_waits_for_a_child_that_has_died(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    pub = ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=2)
-    pub._proc.send_signal(signal.SIGSTOP)
-    _fill(pub, refusals=1)
-    dropped = pub.dropped_batches
-    pub._proc.kill()
-    pub._proc.wait()
-    caplog.clear()
-    t0 = time.monotonic()
-    with caplog.at_level("ERROR", logger="cache.kv_publisher_process"):
-        pub.close(timeout=30.0)
-    assert time.monotonic() - t0 < 10  # nothing waited for
-    assert (pub.queued_batches, pub.dropped_batches) == (0, dropped + 2)
-    assert [r.getMessage() for r in caplog.records] == [
-        f"KV event encoder process exited: dropped the 2 batches waiting for it ({dropped + 2} "
-        f"batches / {dropped + 2} events dropped so far)"
-    ]
 
 
 def test_a_child_that_dies_while_close_hands_it_what_waits_is_reaped_quietly(
