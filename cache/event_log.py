@@ -71,6 +71,7 @@ class EventLog:
         "_drained_host",
         "_drained_host_checkpoints",
         "_drained_view",
+        "_drained_views",
         "_events",
         "chain",
         "chain_packed",
@@ -86,6 +87,13 @@ class EventLog:
         self._drained_checkpoints: set[int] = set()
         self._drained_host: set[int] = set()
         self._drained_host_checkpoints: set[int] = set()
+        # (group_idx, medium) -> the drained view its events apply to (`replay_views`)
+        self._drained_views: dict[tuple[int, str], set[int]] = {
+            (KV_GROUP, MEDIUM_GPU): self._drained_view,
+            (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
+            (KV_GROUP, MEDIUM_CPU): self._drained_host,
+            (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
+        }
         self.hasher: BlockHasher | None = None
         self.chain: ChainFn | None = None
         self.chain_packed: PackedChainFn | None = None
@@ -318,45 +326,28 @@ class EventLog:
         if self.enabled:
             self._events.append(AllBlocksCleared())
 
-    def _views(self) -> dict[tuple[int, str], set[int]]:
-        return {
-            (KV_GROUP, MEDIUM_GPU): self._drained_view,
-            (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
-            (KV_GROUP, MEDIUM_CPU): self._drained_host,
-            (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
-        }
-
     def drain(self) -> list[Event]:
         """Return and forget the events emitted since the last drain."""
         events = built_events(self._events)
         self._events = []
-        replay_views(events, self._views())
+        replay_views(events, self._drained_views)
         return events
 
     def drain_records(self) -> EventRecords:
         """Return and forget the events emitted since the last drain, unbuilt.
 
         The drained views for `check()` are updated from the records directly,
-        in order (a stored run adds its block ids, a device KV `BlockRemoved`
-        removes its own; other events go through `replay_views`), so nothing is
-        built here.
+        in order (a stored run adds its block ids; an event is replayed by
+        `replay_views`), so nothing is built here.
         """
         items = self._events
         self._events = []
         gpu = self._drained_view
-        views: dict[tuple[int, str], set[int]] | None = None
+        views = self._drained_views
         for item in items:
             if type(item) is tuple:  # a stored run
                 gpu.update(item[3])
-            elif (
-                type(item) is BlockRemoved
-                and item.medium == MEDIUM_GPU
-                and item.group_idx == KV_GROUP
-            ):
-                gpu.difference_update(item.block_ids)
-            else:  # the host tier's, checkpoints' and clears: rare
-                if views is None:
-                    views = self._views()
+            else:
                 replay_views((item,), views)  # type: ignore[arg-type]
         return EventRecords(items)
 
