@@ -2,12 +2,13 @@
 
 `PairedTimedCache` is what `cache.planner.replay.replay` drives in place of
 `bench.run.TimedCache`: every call goes to both caches, `first` and `second`,
-which take turns going first (call by call), and each side's thread CPU time
-is kept apart (`OpTimes` each). On this shared 2-core machine the load of
-other tenants drifts by tens of percent within seconds, so two replays run one
-after the other can differ by more than what is measured (the events row of
-`bench.peers` read +0.16x and +0.33x for the same code, run after run); calls of
-microseconds, taken in turns, see the same load.
+each behind its own `TimedCache` (which times and counts it, eviction made
+explicit), and the two take turns going first, call by call. On this shared
+2-core machine the load of other tenants drifts by tens of percent within
+seconds, so two replays run one after the other can differ by more than what
+is measured (the events row of `bench.peers` read +0.16x and +0.33x for the
+same code, run after run); calls of microseconds, taken in turns, see the same
+load.
 
 Both caches must behave identically (the same hits, the same evictions: the
 pair checks it on every call and raises `RuntimeError` on the first
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.run import OpTimes
+from bench.run import OpTimes, TimedCache
 
 __all__ = ["PairedSequence", "PairedTimedCache"]
 
@@ -46,11 +47,7 @@ class PairedSequence:
 
 class PairedTimedCache:
     """`bench.run.TimedCache`'s interface over two caches called in turns (see the
-    module docstring); `t` and `t2` are the first's and the second's times.
-
-    Eviction is explicit, as in `TimedCache`: before `allocate`, the first
-    cache's shortfall is evicted from both (timed as evict).
-    """
+    module docstring); `t` and `t2` are the first's and the second's times."""
 
     def __init__(
         self,
@@ -61,38 +58,32 @@ class PairedTimedCache:
     ) -> None:
         self.first = first
         self.second = second
-        self.b = block_size
-        self.t = OpTimes()
-        self.t2 = OpTimes()
-        self.clock = clock
+        self._sides = (TimedCache(first, block_size, clock), TimedCache(second, block_size, clock))
         self._turn = False  # whether the second cache goes first on the next call
 
-    # ------------------------------------------------------------ the pair
+    @property
+    def t(self) -> OpTimes:
+        return self._sides[0].t
+
+    @property
+    def t2(self) -> OpTimes:
+        return self._sides[1].t
 
     def _both(
-        self, op: str | None, on_first: Callable[[], Any], on_second: Callable[[], Any]
+        self, call: Callable[[TimedCache, Any], Any], seq: PairedSequence | None = None
     ) -> tuple[Any, Any]:
-        """Both calls, in this call's order, each timed into its side's `op` (its
-        `other_ns` when `op` is None); their results, first's first."""
-        clock = self.clock
+        """`call(timed, its sequence)` for each side, in this call's order; their
+        results, first's first. When one raises, the other must raise the same kind
+        (`OutOfBlocks`, which the replay handles): that is re-raised."""
         self._turn = not self._turn
-        calls = ((on_first, self.t), (on_second, self.t2))
+        seqs = (None, None) if seq is None else (seq.first, seq.second)
         results: list[Any] = [None, None]
         errors: list[Exception | None] = [None, None]
         for side in (1, 0) if self._turn else (0, 1):
-            call, times = calls[side]
-            t0 = clock()
             try:
-                results[side] = call()
-            except Exception as exc:  # the other side must raise it too (OutOfBlocks)
+                results[side] = call(self._sides[side], seqs[side])
+            except Exception as exc:
                 errors[side] = exc
-            finally:
-                elapsed = clock() - t0
-                if op is None:
-                    times.other_ns += elapsed
-                else:
-                    times.ns[op] += elapsed
-                times.calls += 1
         first_error, second_error = errors
         if first_error is not None or second_error is not None:
             if type(first_error) is not type(second_error):
@@ -111,93 +102,51 @@ class PairedTimedCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return int(self.first.num_free_blocks)
+        return self._sides[0].num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
-        return int(self.first.num_cached_blocks)
+        return self._sides[0].num_cached_blocks
 
     @property
     def num_free_checkpoint_slots(self) -> int:
-        return int(self.first.num_free_checkpoint_slots)
+        return self._sides[0].num_free_checkpoint_slots
 
     @property
     def stats(self) -> Any:
-        return self.first.stats
+        return self._sides[0].stats
 
     # ----------------------------------------------------------- operations
 
     def match(self, tokens: list[int], namespace: str = "") -> PairedSequence:
-        first, second = self.first, self.second
-        a, b = self._both(
-            "match", lambda: first.match(tokens, namespace), lambda: second.match(tokens, namespace)
-        )
+        a, b = self._both(lambda timed, _: timed.match(tokens, namespace))
         self._same("hit", a.num_cached_tokens, b.num_cached_tokens)
-        blocks = len(tokens) // self.b
-        self.t.blocks["match"] += blocks
-        self.t2.blocks["match"] += blocks
         return PairedSequence(a, b)
 
     def allocate(self, seq: PairedSequence, num_tokens: int) -> None:
-        first, second = self.first, self.second
-        need = -(-num_tokens // self.b) - len(seq.first.block_ids)
-        if need <= 0:
-            return
-        short = need - first.num_free_blocks
-        if short > 0:
-            freed, freed2 = self._both(
-                "evict", lambda: first.evict(short), lambda: second.evict(short)
-            )
-            self._same("evicted", freed, freed2)
-            self.t.blocks["evict"] += freed
-            self.t2.blocks["evict"] += freed2
-        self._both(
-            "allocate",
-            lambda: first.allocate(seq.first, num_tokens),
-            lambda: second.allocate(seq.second, num_tokens),
-        )
+        self._both(lambda timed, own: timed.allocate(own, num_tokens), seq)
+        self._same("evicted", self.t.blocks["evict"], self.t2.blocks["evict"])
         self._same("block table", list(seq.first.block_ids), list(seq.second.block_ids))
-        self.t.blocks["allocate"] += need
-        self.t2.blocks["allocate"] += need
 
     def commit(self, seq: PairedSequence, num_tokens: int) -> None:
-        first, second = self.first, self.second
-        before = seq.first.num_committed_tokens // self.b
-        self._both(
-            "commit",
-            lambda: first.commit(seq.first, num_tokens),
-            lambda: second.commit(seq.second, num_tokens),
-        )
-        blocks = num_tokens // self.b - before
-        self.t.blocks["commit"] += blocks
-        self.t2.blocks["commit"] += blocks
+        self._both(lambda timed, own: timed.commit(own, num_tokens), seq)
 
     def release(self, seq: PairedSequence) -> None:
-        first, second = self.first, self.second
-        n = len(seq.first.block_ids)
-        self._both("release", lambda: first.release(seq.first), lambda: second.release(seq.second))
-        self.t.blocks["release"] += n
-        self.t2.blocks["release"] += n
+        self._both(lambda timed, own: timed.release(own), seq)
 
     def append(self, seq: PairedSequence, tokens: list[int]) -> None:
-        first, second = self.first, self.second
-        self._both(
-            None, lambda: first.append(seq.first, tokens), lambda: second.append(seq.second, tokens)
-        )
+        self._both(lambda timed, own: timed.append(own, tokens), seq)
 
     def abort(self, seq: PairedSequence) -> None:
-        first, second = self.first, self.second
-        self._both(None, lambda: first.abort(seq.first), lambda: second.abort(seq.second))
+        self._both(lambda timed, own: timed.abort(own), seq)
 
     def poll(self) -> int:
-        first, second = self.first, self.second
-        done, done2 = self._both(None, lambda: int(first.poll()), lambda: int(second.poll()))
+        done, done2 = self._both(lambda timed, _: timed.poll())
         self._same("copies reaped", done, done2)
         return int(done)
 
     def check(self) -> None:
-        first, second = self.first, self.second
-        self._both(None, first.check, second.check)
+        self._both(lambda timed, _: timed.cache.check())
 
     def save(self, seq: PairedSequence, num_tokens: int, runtime_state: Any) -> Any:
         raise TypeError("PairedTimedCache pairs attention-only replays: no SSM checkpoints")
