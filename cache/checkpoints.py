@@ -9,7 +9,7 @@ from cache.event_log import EventLog
 from cache.keys import block_identity
 from cache.kv_pool import KVBlockPool
 from cache.lru import LRUIndex
-from cache.node import NO_SLOT, Checkpoint, Node
+from cache.node import NO_SLOT, Checkpoint, Node, NodeTable
 from cache.sequence import PinReceipt
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -72,12 +72,14 @@ class CheckpointStore:
         "host_lru",
         "host_slots",
         "lru",
+        "nodes",
         "on_pins_changed",
         "slots",
     )
 
     def __init__(
         self,
+        nodes: NodeTable,
         slots: CheckpointSlotPool,
         kv: KVBlockPool,
         stats: CacheStats,
@@ -85,6 +87,8 @@ class CheckpointStore:
         block_size: int,
         owner: object,
     ) -> None:
+        self.nodes = nodes
+        """The trie's nodes: `nodes.checkpoint` maps each anchor to its checkpoint."""
         self.slots = slots
         self._kv = kv
         self._stats = stats
@@ -102,6 +106,7 @@ class CheckpointStore:
 
     @staticmethod
     def deepest_match(
+        anchored: dict[Node, Checkpoint],
         root: Node,
         path: list[Node],
         tokens: array[int],
@@ -110,11 +115,12 @@ class CheckpointStore:
         block_size: int,
     ) -> Checkpoint | None:
         """The deepest matchable checkpoint on `path[:max_depth]` (or the root)
-        whose prefix equals `tokens`' and that leaves a token to compute ([R13])."""
+        whose prefix equals `tokens`' and that leaves a token to compute ([R13]).
+        `anchored` is the table's node -> checkpoint map."""
         last = len(tokens) - 1
         for depth in range(max_depth, -1, -1):
             anchor = path[depth - 1] if depth else root
-            ck = anchor.checkpoint
+            ck = anchored.get(anchor)
             if ck is None or ck.step > last:
                 continue
             if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # matchable
@@ -154,7 +160,7 @@ class CheckpointStore:
             state=CheckpointState.ABSENT.value,
         )
         self.move(ck, CheckpointTrigger.RESERVE)
-        anchor.checkpoint = ck
+        self.nodes.checkpoint[anchor] = ck
         return ck
 
     def _index_of(self, ck: Checkpoint) -> LRUIndex[Checkpoint]:
@@ -229,7 +235,7 @@ class CheckpointStore:
         self.move(ck, trigger)
         if announced and ck.slot != NO_SLOT:
             self._events.checkpoint_dropped(ck)
-        ck.anchor.checkpoint = None
+        del self.nodes.checkpoint[ck.anchor]
         if ck.slot != NO_SLOT:
             self.slots.give(ck.slot)
         self._give_host_slot(ck, announced)
@@ -243,7 +249,7 @@ class CheckpointStore:
         frozen tail; its host slot is given back."""
         announced = old.state == _PUBLISHED
         self.move(old, CheckpointTrigger.REPLACE)
-        old.anchor.checkpoint = None
+        del self.nodes.checkpoint[old.anchor]
         if old.frozen_block is not None and not keep_frozen:
             self._kv.decref(old.frozen_block)
         self._give_host_slot(old, announced)

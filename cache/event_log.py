@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cache.events import (
@@ -49,13 +48,12 @@ StoredRun: TypeAlias = tuple[Any, ...]
 """A commit's `BlockStored` as recorded (a plain tuple: only events are NamedTuples);
 `stored_event` builds it."""
 
-_block_hash = attrgetter("block_hash")
-_block = attrgetter("block")
-_namespace = attrgetter("namespace")
+RemovedBlock: TypeAlias = tuple[int, int, str]
+"""An evicted block as `EventLog.removed` takes it: (block hash, block id, namespace)."""
 
 if TYPE_CHECKING:
     from cache.block_hash import BlockHasher, ChainFn, PackedChainFn
-    from cache.node import Checkpoint, Node
+    from cache.node import Checkpoint, Node, NodeTable
 
 
 class EventLog:
@@ -77,11 +75,14 @@ class EventLog:
         "chain_packed",
         "enabled",
         "hasher",
+        "nodes",
         "plain_digest",
     )
 
     def __init__(self, enabled: bool, scheme: str = "xxh3", seed: int = 0) -> None:
         self.enabled = enabled
+        self.nodes: NodeTable | None = None
+        """The trie's nodes, which events name (set by the trie once it has them)."""
         self._events: list[Event | StoredRun] = []
         self._drained_view: set[int] = set()
         self._drained_checkpoints: set[int] = set()
@@ -105,6 +106,18 @@ class EventLog:
             self.chain = self.hasher.chain_fn
             self.chain_packed = self.hasher.packed_fn
             self.plain_digest = self.hasher.plain_digest
+
+    def _table(self) -> NodeTable:
+        nodes = self.nodes
+        if nodes is None:
+            raise RuntimeError("EventLog: the trie has not given it its nodes")
+        return nodes
+
+    def _parent_hash(self, node: Node) -> int | None:
+        """The hash of `node`'s parent, None when the parent is a root."""
+        t = self._table()
+        parent = t.parent[node]
+        return None if parent < 0 or t.is_root(parent) else t.block_hash[parent]
 
     def root_hash(self, namespace: str) -> int:
         """The chain seed of `namespace` (0 with events off)."""
@@ -131,7 +144,8 @@ class EventLog:
         """
         if self.hasher is None:
             return [0] * len(keys)
-        h = parent.block_hash
+        t = self._table()
+        h = t.block_hash[parent]
         hashes: list[int] = []
         append = hashes.append
         digest = self.plain_digest
@@ -141,7 +155,7 @@ class EventLog:
                 append(h)
             return hashes
         chain = self.chain_packed
-        namespace = parent.namespace
+        namespace = t.namespace[parent]
         for key in keys:
             h = chain(h, key_packed(key), key_extra(key), namespace)  # type: ignore[misc]
             append(h)
@@ -160,15 +174,14 @@ class EventLog:
         first, as a stored run (built when read: `stored_event`).
 
         `hashes` are the nodes' block hashes (`chain_hashes`; kept as given);
-        `keys[first + i]` and `blocks[first + i]` are `nodes[i].key` and
-        `nodes[i].block` (the commit's keys and block table, read here, while
-        they are still hot in the CPU's caches).
+        `keys[first + i]` and `blocks[first + i]` are the key and block of
+        `nodes[i]` (the commit's keys and block table, read here, while they are
+        still hot in the CPU's caches).
         """
         if not self.enabled or not nodes:
             return
-        parent = nodes[0].parent
-        parent_hash = None if parent is None or parent.key is None else parent.block_hash
-        namespace = nodes[0].namespace
+        parent_hash = self._parent_hash(nodes[0])
+        namespace = self._table().namespace[nodes[0]]
         stop = first + len(nodes)
         keys = keys[first:stop]
         try:  # a key is its packed bytes unless the block has an extra identity or
@@ -178,8 +191,8 @@ class EventLog:
             tokens = b""
         if len(tokens) != 4 * block_size * len(keys):  # not plain uint32 blocks
             self._events.append(
-                _stored_from_nodes(
-                    parent_hash, nodes, hashes, keys, blocks[first:stop], block_size, namespace
+                _stored_from_keys(
+                    parent_hash, hashes, keys, blocks[first:stop], block_size, namespace
                 )
             )
             return
@@ -187,52 +200,44 @@ class EventLog:
             (parent_hash, hashes, tokens, blocks[first:stop], block_size, namespace)
         )
 
-    def removed(self, nodes: Sequence[Node]) -> None:
-        """One `BlockRemoved` per run of evicted nodes from the same namespace."""
-        if not self.enabled or not nodes:
-            return
-        namespaces = set(map(_namespace, nodes))
-        if len(namespaces) == 1:  # the usual case: one event, built by C-level maps
-            self._events.append(
-                BlockRemoved(
-                    tuple(map(_block_hash, nodes)), tuple(map(_block, nodes)), namespaces.pop()
-                )
-            )
+    def removed(self, blocks: Sequence[RemovedBlock]) -> None:
+        """One `BlockRemoved` per run of evicted blocks from the same namespace."""
+        if not self.enabled or not blocks:
             return
         start = 0
-        for i in range(1, len(nodes) + 1):
-            if i == len(nodes) or nodes[i].namespace != nodes[start].namespace:
-                run = nodes[start:i]
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i][2] != blocks[start][2]:
+                run = blocks[start:i]
                 self._events.append(
-                    BlockRemoved(
-                        tuple(nd.block_hash for nd in run),
-                        tuple(nd.block for nd in run),
-                        run[0].namespace,
-                    )
+                    BlockRemoved(tuple(b[0] for b in run), tuple(b[1] for b in run), run[0][2])
                 )
                 start = i
 
     def removed_blocks(self, node: Node, block: int) -> None:
         """`node`'s device `block` was freed while the node stays (offloaded to host)."""
         if self.enabled:
-            self._events.append(BlockRemoved((node.block_hash,), (block,), node.namespace))
+            t = self._table()
+            self._events.append(BlockRemoved((t.block_hash[node],), (block,), t.namespace[node]))
 
     def host_stored(self, nodes: Sequence[Node]) -> None:
         """A store copy finished: `nodes` are now in the host tier (medium CPU)."""
-        self._single_blocks(nodes, [nd.host for nd in nodes], MEDIUM_CPU)
+        if self.enabled:
+            self._single_blocks(nodes, [self._table().host[nd] for nd in nodes], MEDIUM_CPU)
 
     def back_on_device(self, nodes: Sequence[Node]) -> None:
         """`nodes` own a device block again (a load finished, or a commit adopted
         them): medium GPU."""
-        self._single_blocks(nodes, [nd.block for nd in nodes], MEDIUM_GPU)
+        if self.enabled:
+            self._single_blocks(nodes, [self._table().block[nd] for nd in nodes], MEDIUM_GPU)
 
     def host_removed(self, nodes: Sequence[Node]) -> None:
         """Host eviction freed the host blocks of `nodes` (medium CPU)."""
         if not self.enabled or not nodes:
             return
+        t = self._table()
         for nd in nodes:
             self._events.append(
-                BlockRemoved((nd.block_hash,), (nd.host,), nd.namespace, MEDIUM_CPU)
+                BlockRemoved((t.block_hash[nd],), (t.host[nd],), t.namespace[nd], MEDIUM_CPU)
             )
 
     def _single_blocks(self, nodes: Sequence[Node], blocks: Sequence[int], medium: str) -> None:
@@ -241,17 +246,18 @@ class EventLog:
             return
         from cache.block_hash import extra_keys
 
+        t = self._table()
         for nd, block in zip(nodes, blocks, strict=True):
-            parent = nd.parent
-            namespace = nd.namespace
-            extra = nd.extra
+            namespace = t.namespace[nd]
+            extra = t.extra_of(nd)
+            tokens = t.tokens_of(nd)
             self._events.append(
                 BlockStored(
-                    (nd.block_hash,),
+                    (t.block_hash[nd],),
                     (block,),
-                    None if parent is None or parent.key is None else parent.block_hash,
-                    nd.tokens,
-                    len(nd.tokens),
+                    self._parent_hash(nd),
+                    tokens,
+                    len(tokens),
                     namespace,
                     medium,
                     KV_GROUP,
@@ -274,31 +280,30 @@ class EventLog:
         anchor = ck.anchor
         from cache.block_hash import extra_keys
 
+        t = self._table()
+        namespace = t.namespace[anchor]
         if host:  # named as on the device (a host copy is block-aligned)
-            parent = anchor.parent
-            parent_hash = None if parent is None or parent.key is None else parent.block_hash
             self._events.append(
                 checkpoint_stored(
                     ck.block_hash,
                     ck.host_slot,
-                    parent_hash,
-                    anchor.tokens,
+                    self._parent_hash(anchor),
+                    t.tokens_of(anchor),
                     block_size,
-                    anchor.namespace,
-                    extra_keys=extra_keys(anchor.extra, anchor.namespace),
+                    namespace,
+                    extra_keys=extra_keys(t.extra_of(anchor), namespace),
                     medium=MEDIUM_CPU,
                 )
             )
             return
         if ck.tail:
-            ck.block_hash = self.chain(anchor.block_hash, ck.tail, ck.tail_extra, anchor.namespace)
-            parent_hash = None if anchor.key is None else anchor.block_hash
+            ck.block_hash = self.chain(t.block_hash[anchor], ck.tail, ck.tail_extra, namespace)
+            parent_hash = None if t.is_root(anchor) else t.block_hash[anchor]
             tokens, extra = ck.tail, ck.tail_extra
         else:
-            ck.block_hash = anchor.block_hash
-            parent = anchor.parent
-            parent_hash = None if parent is None or parent.key is None else parent.block_hash
-            tokens, extra = anchor.tokens, anchor.extra
+            ck.block_hash = t.block_hash[anchor]
+            parent_hash = self._parent_hash(anchor)
+            tokens, extra = t.tokens_of(anchor), t.extra_of(anchor)
 
         self._events.append(
             checkpoint_stored(
@@ -307,8 +312,8 @@ class EventLog:
                 parent_hash,
                 tokens,
                 block_size,
-                anchor.namespace,
-                extra_keys=extra_keys(extra, anchor.namespace),
+                namespace,
+                extra_keys=extra_keys(extra, namespace),
             )
         )
 
@@ -318,7 +323,9 @@ class EventLog:
         if self.enabled:
             slot, medium = (ck.host_slot, MEDIUM_CPU) if host else (ck.slot, MEDIUM_GPU)
             self._events.append(
-                checkpoint_removed((ck.block_hash,), (slot,), ck.anchor.namespace, medium=medium)
+                checkpoint_removed(
+                    (ck.block_hash,), (slot,), self._table().namespace[ck.anchor], medium=medium
+                )
             )
 
     def cleared(self) -> None:
@@ -397,9 +404,8 @@ def stored_event(run: StoredRun) -> BlockStored:
     )
 
 
-def _stored_from_nodes(
+def _stored_from_keys(
     parent_hash: int | None,
-    nodes: Sequence[Node],
     hashes: Sequence[int],
     keys: Sequence[Hashable],
     blocks: Sequence[int],
@@ -408,13 +414,14 @@ def _stored_from_nodes(
 ) -> BlockStored:
     """The `BlockStored` of blocks whose keys are not all plain uint32 blocks: each
     key's packed ids (a tuple of token ids when any needs 64 bits), and the extra
-    keys of each block's identity."""
+    keys of each block's identity (read from its key)."""
     token_ids = joined_tokens([key_packed(k) for k in keys], block_size)
     extras = None
-    if namespace or any(nd.extra is not None for nd in nodes):
+    identities = [key_extra(k) for k in keys]
+    if namespace or any(extra is not None for extra in identities):
         from cache.block_hash import extra_keys
 
-        extras = tuple(extra_keys(nd.extra, namespace) for nd in nodes)
+        extras = tuple(extra_keys(extra, namespace) for extra in identities)
     return device_stored(
         tuple(hashes), tuple(blocks), parent_hash, token_ids, block_size, namespace, extras
     )

@@ -25,13 +25,14 @@ checkpoint except by evicting it through the `CheckpointStore`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
-from cache.lru import LRUIndex, older
-from cache.node import NO_BLOCK, NO_CHILDREN, Node
+from cache.lru import NodeLRU
+from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable
 from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
 from spec.lifecycle import (
@@ -58,6 +59,7 @@ _SHARE = NodeTrigger.SHARE.value
 _RESIDENCY_OFFLOAD = ResidencyTrigger.OFFLOAD.value
 _MIRRORED = Residency.MIRRORED.value
 _DEVICE = Residency.DEVICE.value
+_ROOT = NodeState.ROOT.value
 
 _FREED_FROM: dict[str, str] = {
     state: dest for (trigger, state), dest in NODE.table.items() if trigger == _FREE
@@ -75,15 +77,18 @@ Bounded by the distinct facts seen (states x 2 x reference counts x pins).
 """
 
 
-def _settled(node: Node, state: str, leaf: bool, refs: int, pins: int, on_device: bool) -> str:
-    """Derive (and memoize) where `settle` moves `node`; raises `IllegalTransition`
-    (memoizing nothing) when the spec has no route there."""
+def _settled(
+    describe: object, state: str, leaf: bool, refs: int, pins: int, on_device: bool
+) -> str:
+    """Derive (and memoize) where `settle` moves a node with these facts; raises
+    `IllegalTransition` (memoizing nothing) when the spec has no route there.
+    `describe` names the node in the error."""
     implied = implied_node_state(
         attached=True, leaf=leaf, block_refs=refs, pins=pins, on_device=on_device
     )
     dest = state
-    for trigger in NODE.route(state, implied, node):
-        dest = NODE.step(trigger, dest, node)
+    for trigger in NODE.route(state, implied, describe):
+        dest = NODE.step(trigger, dest, describe)
     dest = str(NodeState(dest).value)
     _SETTLED[(state, leaf, refs, pins, on_device)] = dest
     return dest
@@ -99,6 +104,7 @@ class Evictor:
         "checkpoints",
         "host",
         "index",
+        "nodes",
         "num_cached",
         "offloaded_children",
         "owner",
@@ -109,20 +115,24 @@ class Evictor:
 
     def __init__(
         self,
+        nodes: NodeTable,
         kv: KVBlockPool,
         checkpoints: CheckpointStore,
         stats: CacheStats,
         events: EventLog,
         host: HostTier | None = None,
     ) -> None:
+        self.nodes = nodes
+        """The trie's nodes (`cache.node.NodeTable`)."""
         self._kv = kv
         self._stats = stats
         self._events = events
         self.checkpoints = checkpoints
         self.host = host
         """The host tier, or None (then no node is ever offloaded)."""
-        self.index: LRUIndex[Node] = LRUIndex()
-        self.owner: list[Node | None] = [None] * kv.capacity
+        self.index = NodeLRU(nodes.tick, nodes.serial)
+        self.owner = array("i", [NO_NODE]) * kv.capacity
+        """Device block -> the node owning it (`NO_NODE` when none)."""
         self.num_cached = 0
         self.offloaded_children: dict[Node, int] = {}
         """Per attached node with any, how many of its children are `offloaded`."""
@@ -138,41 +148,44 @@ class Evictor:
 
     def adopt(self, node: Node) -> None:
         """`node` was just attached owning its block (state `cached`)."""
-        self.owner[node.block] = node
+        self.owner[self.nodes.block[node]] = node
         self.num_cached += 1
 
     def settle(self, node: Node) -> None:
         """Move `node` to the state its facts imply, through the spec's routes."""
-        if node.key is None:
-            return  # a root: always `root`
+        t = self.nodes
+        if t.state[node] == _ROOT:
+            return  # always `root`
         dest = self._implied(node)
-        if dest != node.state:
+        if dest != t.state[node]:
             self._enter(node, dest)
 
     def _implied(self, node: Node) -> str:
         """Where `settle` moves the attached, non-root `node` (no change made)."""
-        ck = node.checkpoint
-        children = node.children
-        leaf = children is NO_CHILDREN  # the shapes keep no empty dict
+        t = self.nodes
+        only = t.child[node]
+        leaf = only == NO_CHILD  # a non-root node keeps no empty `kids` dict
         if not leaf and self.offloaded_children:
-            leaf = self.offloaded_children.get(node, 0) == node.child_count()
+            leaf = self.offloaded_children.get(node, 0) == t.child_count(node)
+        ck = t.checkpoint.get(node) if t.checkpoint else None
         pins = ck.pins if ck is not None else 0
-        block = node.block
+        block = t.block[node]
         if block == NO_BLOCK:
-            facts = (node.state, leaf, 0, pins, False)
+            facts = (t.state[node], leaf, 0, pins, False)
         else:
-            facts = (node.state, leaf, self._kv.refs[block], pins, True)
+            facts = (t.state[node], leaf, self._kv.refs[block], pins, True)
         dest = _SETTLED.get(facts)
         if dest is None:
-            dest = _settled(node, *facts)
+            dest = _settled(t.named(node), *facts)
         return dest
 
     def _enter(self, node: Node, dest: str) -> None:
         """Set `node`'s state to `dest` (a new one), keeping the index to exactly the
         evictable nodes (invariant 7)."""
-        if node.state == _EVICTABLE:
+        state = self.nodes.state
+        if state[node] == _EVICTABLE:
             self.index.remove(node)
-        node.state = dest
+        state[node] = dest
         if dest == _EVICTABLE:
             self.index.add(node)
 
@@ -180,37 +193,39 @@ class Evictor:
         """Give `node`, offloaded, the device `block` the caller took (a load, or a
         commit that computed it: [R49], [R50]); the trie's reference is the one
         `take` gave. The caller settles it once its references are in place."""
-        node.block = block
+        t = self.nodes
+        t.block[node] = block
         self.owner[block] = node
         self.num_cached += 1
-        self._offloaded_child_gone(node.parent)
+        self._offloaded_child_gone(t.parent[node])
 
     def detach_block(self, node: Node) -> None:
         """Take the device block from `node`, whose load failed: the node is `offloaded`
         again, and the block is private to whoever else holds it."""
-        block = node.block
-        self.owner[block] = None
+        t = self.nodes
+        block = t.block[node]
+        self.owner[block] = NO_NODE
         self.num_cached -= 1
-        node.block = NO_BLOCK
+        t.block[node] = NO_BLOCK
         self._kv.decref(block)
-        parent = node.parent
+        parent = t.parent[node]
         self._offloaded_child_added(parent)
         self.settle(node)
-        if parent is not None:
+        if parent != NO_NODE:
             self.settle(parent)  # may be a device leaf now
 
     def detach_offloaded(self, parent: Node, node: Node) -> None:
         """Unlink `node`, an offloaded child of `parent` that host eviction frees."""
-        parent.detach_child(node.key)
+        self.nodes.detach_child(parent, node)
         self._offloaded_child_gone(parent)
 
-    def _offloaded_child_added(self, parent: Node | None) -> None:
-        if parent is not None:
+    def _offloaded_child_added(self, parent: Node) -> None:
+        if parent != NO_NODE:
             counts = self.offloaded_children
             counts[parent] = counts.get(parent, 0) + 1
 
-    def _offloaded_child_gone(self, parent: Node | None) -> None:
-        if parent is None:
+    def _offloaded_child_gone(self, parent: Node) -> None:
+        if parent == NO_NODE:
             return
         counts = self.offloaded_children
         left = counts[parent] - 1
@@ -222,7 +237,7 @@ class Evictor:
     def settle_block(self, block: int) -> None:
         """Settle the node owning `block`, if any (a reference to it was dropped)."""
         owner = self.owner[block]
-        if owner is not None:
+        if owner != NO_NODE:
             self.settle(owner)
 
     # ------------------------------------------------------------- eviction
@@ -247,37 +262,46 @@ class Evictor:
         freed = 0  # freed directly by this call (write-back frees are counted apart)
         written = 0  # freed by write-back stores that finished when queued
         pending = 0  # to be freed by write-back stores still in flight
+        t = self.nodes
+        state = t.state
+        tick = t.tick
+        serial = t.serial
         index = self.index
-        removed: list[Node] | None = [] if self._events.enabled else None
+        removed: list[tuple[int, int, str]] | None = [] if self._events.enabled else None
         backing: list[Node] = []
+        freeing: list[Node] = []  # rows released once the round's events are recorded
         while True:
             while freed + written + pending + len(backing) < n and index:
                 node = index.oldest()
                 index.remove(node)
                 while True:
-                    parent = node.parent
+                    parent = t.parent[node]
                     if (
                         self.write_back
-                        and node.residency == _DEVICE
+                        and t.residency[node] == _DEVICE
                         and self._begin_write_back(node)
                     ):
                         backing.append(node)  # [R52]: freed when its store has finished
                         break
-                    freed += self._free(node)
-                    if removed is not None and node.parent is None:  # freed, not offloaded
-                        removed.append(node)
-                    if parent is None or parent.key is None:
+                    if t.residency[node] != _DEVICE:
+                        freed += self._offload(node)
+                    else:
+                        if removed is not None:
+                            removed.append((t.block_hash[node], t.block[node], t.namespace[node]))
+                        freed += self._free(node)
+                        freeing.append(node)
+                    if parent == NO_NODE or state[parent] == _ROOT:
                         break
                     dest = self._implied(parent)
-                    if dest == parent.state:
+                    if dest == state[parent]:
                         break
                     if (
                         dest == _EVICTABLE
                         and freed + written + pending + len(backing) < n
-                        and parent.state != _EVICTABLE
-                        and (not index or older(parent, index.oldest()))  # [R10]
+                        and state[parent] != _EVICTABLE
+                        and (not index or _older(tick, serial, parent, index.oldest()))  # [R10]
                     ):
-                        parent.state = dest
+                        state[parent] = dest
                         node = parent
                         continue
                     self._enter(parent, dest)
@@ -292,6 +316,8 @@ class Evictor:
             backing = []  # their parents may be evictable now: go on
         if removed:
             self._events.removed(removed)
+        for node in freeing:
+            t.release(node)
         self._stats.evicted_blocks += freed
         return freed + written, pending
 
@@ -307,51 +333,53 @@ class Evictor:
         host.begin_store(node, host_block)
         # The store's references, taken now (the copy is built when the round
         # ends): nothing settles it back into an index meanwhile.
-        self._kv.incref(node.block)
+        t = self.nodes
+        self._kv.incref(t.block[node])
         host.pool.incref(host_block)
-        node.state = NODE.step(_SHARE, node.state, node)  # held: `cached`
+        t.state[node] = NODE.step(_SHARE, t.state[node], t.named(node))  # held: `cached`
         return True
 
     def offload_written_back(self, node: Node) -> None:
         """`node`'s write-back store finished ([R52]): offload it now if it is still an
         evictable leaf (a request may have matched it meanwhile: then it stays)."""
-        if node.state != _EVICTABLE or node.residency != _MIRRORED:
+        t = self.nodes
+        if t.state[node] != _EVICTABLE or t.residency[node] != _MIRRORED:
             return
         self.index.remove(node)
-        parent = node.parent
+        parent = t.parent[node]
         freed = self._offload(node)
         self._stats.evicted_blocks += freed
-        if parent is not None:
+        if parent != NO_NODE:
             self.settle(parent)
 
     def _free(self, node: Node) -> int:
-        """Detach `node`, an evictable leaf already out of the index, and release its
-        block and checkpoint; returns the blocks freed. The caller settles the parent.
+        """Detach `node`, a `device` evictable leaf already out of the index, and
+        release its block and checkpoint; returns the blocks freed. The caller
+        settles the parent and releases the node's row (`NodeTable.release`).
 
-        With a host tier, a mirrored leaf is offloaded instead (it stays attached,
-        its host copy loadable), and a leaf without a host copy takes the
-        host-only nodes below it along ([R48]).
+        With a host tier, a leaf without a host copy takes the host-only nodes
+        below it along ([R48]).
         """
-        if node.residency != _DEVICE:
-            return self._offload(node)
-        freed_state = _FREED_FROM.get(node.state)
+        t = self.nodes
+        freed_state = _FREED_FROM.get(t.state[node])
         if freed_state is None:  # the spec's IllegalTransition, naming the node
-            freed_state = NODE.step(_FREE, node.state, node)
-        if node.children is not NO_CHILDREN and self.host is not None:
+            freed_state = NODE.step(_FREE, t.state[node], t.named(node))
+        if t.child[node] != NO_CHILD and self.host is not None:
             self.host.drop_below(node)
         freed = self._drop_checkpoint(node)
-        parent = node.parent
-        if parent is None:
-            raise InvariantViolation("topology", f"evictable {node!r} has no parent")
-        if parent.children is node:  # its only child: `Node.detach_child`, inlined
-            parent.children = NO_CHILDREN
+        parent = t.parent[node]
+        if parent == NO_NODE:
+            raise InvariantViolation("topology", f"evictable {t.describe(node)} has no parent")
+        if t.child[parent] == node:  # its only child: `NodeTable.detach_child`, inlined
+            t.child[parent] = NO_CHILD
         else:
-            parent.detach_child(node.key)
-        node.state = freed_state
-        node.parent = None
-        self.owner[node.block] = None
+            t.detach_child(parent, node)
+        t.state[node] = freed_state
+        t.parent[node] = NO_NODE
+        block = t.block[node]
+        self.owner[block] = NO_NODE
         self.num_cached -= 1
-        if self._kv.decref(node.block):
+        if self._kv.decref(block):
             freed += 1
         return freed
 
@@ -360,20 +388,24 @@ class Evictor:
         the index; the node stays attached, `offloaded` ([R48]). Returns the
         blocks freed (its checkpoint's frozen tail too: checkpoints live on the
         device only, so an offloaded node holds none)."""
-        state = NODE.step(_OFFLOAD, node.state, node)
-        residency = RESIDENCY.step(_RESIDENCY_OFFLOAD, node.residency, node)  # from `mirrored`
+        t = self.nodes
+        state = NODE.step(_OFFLOAD, t.state[node], t.named(node))
+        # from `mirrored`
+        residency = RESIDENCY.step(_RESIDENCY_OFFLOAD, t.residency[node], t.named(node))
         host = self.host
         if host is None:
-            raise InvariantViolation("residency", f"{node!r} is offloaded without a host tier")
+            raise InvariantViolation(
+                "residency", f"{t.describe(node)} is offloaded without a host tier"
+            )
         freed = self._drop_checkpoint(node)
-        block = node.block
+        block = t.block[node]
         self._events.removed_blocks(node, block)
-        node.state = state
-        node.residency = residency
-        node.block = NO_BLOCK
-        self.owner[block] = None
+        t.state[node] = state
+        t.residency[node] = residency
+        t.block[node] = NO_BLOCK
+        self.owner[block] = NO_NODE
         self.num_cached -= 1
-        self._offloaded_child_added(node.parent)
+        self._offloaded_child_added(t.parent[node])
         if self._kv.decref(block):
             freed += 1
         host.offloaded(node)
@@ -381,7 +413,7 @@ class Evictor:
 
     def _drop_checkpoint(self, node: Node) -> int:
         """Evict the checkpoint of `node` (leaving the device), if any; the blocks freed."""
-        ck = node.checkpoint
+        ck = self.nodes.checkpoint.get(node)
         if ck is None:
             return 0
         self._stats.evicted_checkpoints += 1
@@ -427,39 +459,41 @@ class Evictor:
         # Each evictable leaf frees at least its own block; count deeper only when short.
         if len(self.index) >= short or self._reclaimable(short) >= short:
             return True
-        doomed: set[int] = set()
+        doomed: set[Node] = set()
         total = self._reclaimable(self._kv.capacity + 1, doomed)
-        total += sum(1 for ck in self.checkpoints.frozen_tails() if ck.anchor.serial not in doomed)
+        total += sum(1 for ck in self.checkpoints.frozen_tails() if ck.anchor not in doomed)
         return total >= short
 
-    def _reclaimable(self, limit: int, doomed: set[int] | None = None) -> int:
+    def _reclaimable(self, limit: int, doomed: set[Node] | None = None) -> int:
         """KV blocks that evictions could free, counted up to `limit` (no change made).
 
-        With `doomed`, the serials of the nodes counted are added to it.
+        With `doomed`, the nodes counted are added to it.
         """
+        t = self.nodes
         refs = self._kv.refs
+        checkpoints = t.checkpoint
         count = 0
-        gone: dict[int, int] = {}
+        gone: dict[Node, int] = {}
         for leaf in self.index.unordered():  # any order counts the same cascade
-            node: Node | None = leaf
-            while node is not None and count < limit:
+            node = leaf
+            while count < limit:
                 count += 1
                 if doomed is not None:
-                    doomed.add(node.serial)
-                ck = node.checkpoint
+                    doomed.add(node)
+                ck = checkpoints.get(node)
                 if ck is not None and ck.frozen_block is not None:
                     count += 1
-                parent = node.parent
-                if parent is None or parent.key is None:
+                parent = t.parent[node]
+                if parent == NO_NODE or t.state[parent] == _ROOT:
                     break
-                seen = gone.get(parent.serial, 0) + 1
-                gone[parent.serial] = seen
-                pck = parent.checkpoint
+                seen = gone.get(parent, 0) + 1
+                gone[parent] = seen
+                pck = checkpoints.get(parent)
                 # Would the parent be evictable once all counted children are gone?
                 after = implied_node_state(
                     attached=True,
-                    leaf=seen + self.offloaded_children.get(parent, 0) == parent.child_count(),
-                    block_refs=refs[parent.block],
+                    leaf=seen + self.offloaded_children.get(parent, 0) == t.child_count(parent),
+                    block_refs=refs[t.block[parent]],
                     pins=pck.pins if pck is not None else 0,
                 )
                 if after != _EVICTABLE:
@@ -468,6 +502,11 @@ class Evictor:
             if count >= limit:
                 break
         return count
+
+
+def _older(tick: Sequence[int], serial: Sequence[int], a: Node, b: Node) -> bool:
+    """Whether node `a` comes before node `b` in the index's order, `(tick, serial)`."""
+    return tick[a] < tick[b] or (tick[a] == tick[b] and serial[a] < serial[b])
 
 
 def _no_write_back(nodes: list[Node]) -> None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from cache.copies import Copy, block_moves
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
-from cache.lru import LRUIndex
-from cache.node import NO_BLOCK, NO_CHILDREN, Node
+from cache.lru import NodeLRU
+from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable
 from cache.stats import CacheStats
 from spec.errors import CacheError, InvariantViolation
 from spec.lifecycle import (
@@ -77,19 +77,27 @@ class HostTier:
         "_stats",
         "index",
         "loading",
+        "nodes",
         "pool",
         "write_backs",
     )
 
     def __init__(
-        self, pool: KVBlockPool, kv: KVBlockPool, stats: CacheStats, events: EventLog
+        self,
+        nodes: NodeTable,
+        pool: KVBlockPool,
+        kv: KVBlockPool,
+        stats: CacheStats,
+        events: EventLog,
     ) -> None:
+        self.nodes = nodes
+        """The trie's nodes (`cache.node.NodeTable`)."""
         self.pool = pool
         self._kv = kv
         self._stats = stats
         self._events = events
         self._evictor: Evictor | None = None
-        self.index: LRUIndex[Node] = LRUIndex()
+        self.index = NodeLRU(nodes.tick, nodes.serial)
         self.loading: dict[Node, Copy] = {}
         """Each `loading` node's load copy, until it is reaped."""
         self.write_backs: dict[int, Copy] = {}
@@ -132,21 +140,23 @@ class HostTier:
         waits: list[Copy] = []
         waiting = 0
         loading = self.loading
+        block = self.nodes.block
         if not loading:  # the usual case: no scan for loads to wait on
-            if not usable or path[usable - 1].block != NO_BLOCK:
+            if not usable or block[path[usable - 1]] != NO_BLOCK:
                 return usable, [], waits, 0  # all on the device (a prefix is closed)
             low, high = 0, usable - 1  # the first host-only node, by bisection
             while low < high:
                 mid = (low + high) // 2
-                if path[mid].block == NO_BLOCK:
+                if block[path[mid]] == NO_BLOCK:
                     high = mid
                 else:
                     low = mid + 1
             return low, path[low:usable], waits, 0
+        residency = self.nodes.residency
         for node in path:
-            if depth == usable or node.block == NO_BLOCK:
+            if depth == usable or block[node] == NO_BLOCK:
                 break
-            if loading and node.residency == _LOADING:
+            if loading and residency[node] == _LOADING:
                 copy = loading[node]
                 if copy.failed:
                     return depth, [], waits, waiting
@@ -166,9 +176,10 @@ class HostTier:
         A node that is not `offloaded` is never in the index (every way out of
         `offloaded` leaves the index first: a match's `pin`, `adopt`, eviction),
         so it needs no look."""
-        if node.state != _OFFLOADED:
+        t = self.nodes
+        if t.state[node] != _OFFLOADED:
             return
-        eligible = node.children is NO_CHILDREN and self.pool.refs[node.host] == 1
+        eligible = t.child[node] == NO_CHILD and self.pool.refs[t.host[node]] == 1
         if eligible != (node in self.index):
             if eligible:
                 self.index.add(node)
@@ -208,34 +219,40 @@ class HostTier:
         becomes `storing`; the copy holds a reference on both blocks of each
         until it is reaped.
         """
-        blocks = [n.block for n in nodes]
-        host_blocks = [n.host for n in nodes]
+        t = self.nodes
+        blocks = [t.block[n] for n in nodes]
+        host_blocks = [t.host[n] for n in nodes]
         moves = block_moves(self._kv.tensor, blocks, self.pool.tensor, host_blocks)
         return Copy(_STORE, 0, moves, (), 0, blocks=blocks, host_blocks=host_blocks)
 
     def begin_store(self, node: Node, host_block: int) -> None:
         """`node` (residency `device`) will be copied into `host_block`."""
-        node.residency = _STORED_FROM.get(node.residency) or RESIDENCY.step(
-            ResidencyTrigger.STORE, node.residency, node
+        t = self.nodes
+        t.residency[node] = _STORED_FROM.get(t.residency[node]) or RESIDENCY.step(
+            ResidencyTrigger.STORE, t.residency[node], t.named(node)
         )
-        node.host = host_block
+        t.host[node] = host_block
 
     def stored(self, copy: Copy) -> None:
         """A store copy was reaped (its references already dropped): its nodes are
         `mirrored`, or back to `device` if it failed (their host blocks freed)."""
         pool = self.pool
+        t = self.nodes
+        residency = t.residency
         if not copy.failed:
             for node in copy.nodes:
-                node.residency = _FINISHED_STORE.get(node.residency) or RESIDENCY.step(
-                    ResidencyTrigger.STORED, node.residency, node
+                residency[node] = _FINISHED_STORE.get(residency[node]) or RESIDENCY.step(
+                    ResidencyTrigger.STORED, residency[node], t.named(node)
                 )
             self._stats.stored_blocks += len(copy.nodes)
             self._events.host_stored(copy.nodes)
             return
         for node in copy.nodes:
-            node.residency = RESIDENCY.step(ResidencyTrigger.STORE_FAILED, node.residency, node)
-            pool.decref(node.host)
-            node.host = NO_BLOCK
+            residency[node] = RESIDENCY.step(
+                ResidencyTrigger.STORE_FAILED, residency[node], t.named(node)
+            )
+            pool.decref(t.host[node])
+            t.host[node] = NO_BLOCK
 
     # -------------------------------------------------------------- offload
 
@@ -250,13 +267,15 @@ class HostTier:
         """`node` (residency `host`, a request's match holding its host block, so out
         of the host index since `pin`) is being loaded into the device block the
         evictor just attached ([R50])."""
-        node.residency = RESIDENCY.step(_LOAD, node.residency, node)
+        t = self.nodes
+        t.residency[node] = RESIDENCY.step(_LOAD, t.residency[node], t.named(node))
 
     def load_moves(self, nodes: list[Node], waits_on: list[int]) -> Copy:
         """The load copy for `nodes` (host -> their new device blocks), ordered after
         the copies loading the device blocks `waits_on`."""
-        blocks = [n.block for n in nodes]
-        host_blocks = [n.host for n in nodes]
+        t = self.nodes
+        blocks = [t.block[n] for n in nodes]
+        host_blocks = [t.host[n] for n in nodes]
         moves = block_moves(self.pool.tensor, host_blocks, self._kv.tensor, blocks)
         return Copy(
             CopyKind.LOAD.value, 0, moves, (), 0, blocks=waits_on + blocks, host_blocks=host_blocks
@@ -268,14 +287,16 @@ class HostTier:
         paths of the requests that held them). Its references are already dropped."""
         failed_nodes: list[Node] = []
         evictor = self.evictor
+        t = self.nodes
+        residency = t.residency
         for node in copy.nodes:
             del self.loading[node]
             if copy.failed:
-                node.residency = RESIDENCY.step(_LOAD_FAILED, node.residency, node)
+                residency[node] = RESIDENCY.step(_LOAD_FAILED, residency[node], t.named(node))
                 evictor.detach_block(node)
                 failed_nodes.append(node)
             else:
-                node.residency = RESIDENCY.step(_LOADED, node.residency, node)
+                residency[node] = RESIDENCY.step(_LOADED, residency[node], t.named(node))
                 self._stats.loaded_blocks += 1
             self.settle(node)
         if not copy.failed:
@@ -287,7 +308,8 @@ class HostTier:
     def adopt(self, node: Node) -> None:
         """A commit computed `node`'s block itself while it was host-only ([R49]):
         its block is now the device copy; the host copy stays (`mirrored`)."""
-        node.residency = RESIDENCY.step(ResidencyTrigger.ADOPT, node.residency, node)
+        t = self.nodes
+        t.residency[node] = RESIDENCY.step(ResidencyTrigger.ADOPT, t.residency[node], t.named(node))
         self._unindex(node)
 
     # ------------------------------------------------------------- unpin
@@ -295,13 +317,15 @@ class HostTier:
     def unpin(self, nodes: list[Node]) -> None:
         """Drop a request's match references on the host blocks of `nodes`."""
         pool = self.pool
+        host = self.nodes.host
         for node in nodes:
-            pool.decref(node.host)
+            pool.decref(host[node])
             self.settle(node)
 
     def pin(self, nodes: list[Node]) -> None:
         """Take a request's match reference on the host blocks of `nodes` ([R50])."""
-        self.pool.incref_all([node.host for node in nodes])
+        host = self.nodes.host
+        self.pool.incref_all([host[node] for node in nodes])
         for node in nodes:
             self._unindex(node)
 
@@ -312,6 +336,7 @@ class HostTier:
         many. A parent left an offloaded leaf is evictable next."""
         freed = 0
         index = self.index
+        t = self.nodes
         removed: list[Node] = []
         while freed < n and index:
             node = index.oldest()
@@ -319,47 +344,54 @@ class HostTier:
             parent = self._free(node)
             removed.append(node)
             freed += 1
-            if parent.key is not None:
-                if parent.state == _OFFLOADED:
+            if not t.is_root(parent):
+                if t.state[parent] == _OFFLOADED:
                     self.settle(parent)
                 else:
                     self.evictor.settle(parent)
         self._events.host_removed(removed)
+        for node in removed:
+            t.release(node)
         self._stats.host_evicted_blocks += freed
         return freed
 
     def _free(self, node: Node) -> Node:
         """Detach `node`, an offloaded leaf out of the index, freeing its host block;
-        returns its former parent (to be settled by the caller)."""
-        node.state = NODE.step(_FREE, node.state, node)
-        parent = node.parent
-        if parent is None:
-            raise InvariantViolation("topology", f"offloaded {node!r} has no parent")
+        returns its former parent (to be settled by the caller). The caller
+        releases the node's row once its removal is recorded."""
+        t = self.nodes
+        t.state[node] = NODE.step(_FREE, t.state[node], t.named(node))
+        parent = t.parent[node]
+        if parent == NO_NODE:
+            raise InvariantViolation("topology", f"offloaded {t.describe(node)} has no parent")
         self.evictor.detach_offloaded(parent, node)
-        node.parent = None
-        if not self.pool.decref(node.host):
+        t.parent[node] = NO_NODE
+        if not self.pool.decref(t.host[node]):
             raise InvariantViolation(
-                "host conservation", f"freed {node!r}: its host block is still held"
+                "host conservation", f"freed {t.describe(node)}: its host block is still held"
             )
         return parent
 
     def drop_below(self, node: Node) -> None:
         """Device eviction is freeing `node` outright (no host copy of its own): free its
         host-only descendants first, deepest first ([R48])."""
+        t = self.nodes
         doomed: list[Node] = []
-        stack = node.child_nodes()
+        stack = t.child_nodes(node)
         while stack:
             child = stack.pop()
-            if child.state != _OFFLOADED:
+            if t.state[child] != _OFFLOADED:
                 raise InvariantViolation(
-                    "residency", f"{child!r} below a device leaf owns a device block"
+                    "residency", f"{t.describe(child)} below a device leaf owns a device block"
                 )
             doomed.append(child)
-            stack.extend(child.child_nodes())
+            stack.extend(t.child_nodes(child))
         for child in reversed(doomed):  # children before their parents
             self._unindex(child)
             self._free(child)
         self._events.host_removed(doomed)
+        for child in doomed:
+            t.release(child)
         self._stats.host_evicted_blocks += len(doomed)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cache.node import NO_NODE
 from spec import invariants
 from spec.snapshot import CheckpointView, CopyView, NodeView, SequenceView, Snapshot
 
@@ -21,24 +22,29 @@ def snapshot(trie: BlockTrie) -> Snapshot:
     """The whole of `trie` as plain data (ids as in [R43])."""
     nodes: dict[int, NodeView] = {}
     checkpoints: dict[int, CheckpointView] = {}
+    t = trie._nodes
+    serial = t.serial
     stack: list[tuple[Node, int]] = [(root, 0) for root in trie._roots.values()]
     while stack:
         node, depth = stack.pop()
-        nid = node.serial
-        ck = node.checkpoint
+        nid = serial[node]
+        ck = t.checkpoint.get(node)
+        parent = t.parent[node]
+        children = t.child_nodes(node)
+        root = t.is_root(node)
         nodes[nid] = {
-            "namespace": node.namespace,
-            "parent": None if node.parent is None else node.parent.serial,
+            "namespace": t.namespace[node],
+            "parent": None if parent == NO_NODE else serial[parent],
             "depth": depth,
-            "key": None if node.key is None else (node.tokens, node.extra),
-            "block": None if node.block < 0 else node.block,
-            "children": [c.serial for c in node.child_nodes()],
-            "state": node.state,
-            "tick": node.tick,
-            "serial": node.serial,
+            "key": None if root else (t.tokens_of(node), t.extra_of(node)),
+            "block": None if t.block[node] < 0 else t.block[node],
+            "children": [serial[c] for c in children],
+            "state": t.state[node],
+            "tick": t.tick[node],
+            "serial": nid,
             "checkpoint": None if ck is None else ck.serial,
-            "block_host": None if node.host < 0 else node.host,
-            "residency": node.residency,
+            "block_host": None if t.host[node] < 0 else t.host[node],
+            "residency": t.residency[node],
         }
         if ck is not None:
             checkpoints[ck.serial] = {
@@ -55,7 +61,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
                 "tick": ck.tick,
                 "serial": ck.serial,
             }
-        stack.extend((child, depth + 1) for child in node.child_nodes())
+        stack.extend((child, depth + 1) for child in children)
     sequences: dict[int, SequenceView] = {}
     for sid, seq in trie._live.items():
         sequences[sid] = {
@@ -63,12 +69,12 @@ def snapshot(trie: BlockTrie) -> Snapshot:
             "tokens": tuple(seq.token_list),
             "extra": seq.extra,
             "blocks": list(seq.blocks),
-            "path": [n.serial for n in seq.path],
+            "path": [serial[n] for n in seq.path],
             "num_cached_tokens": seq.num_cached_tokens,
             "num_committed_tokens": seq.num_committed_tokens,
             "restore_checkpoint": None if seq.restore is None else seq.restore.checkpoint.serial,
             "holds_match_pin": seq.match_receipt is not None,
-            "host_path": [n.serial for n in seq.host_path],
+            "host_path": [serial[n] for n in seq.host_path],
             "num_host_tokens": seq.num_host_tokens,
         }
     copies: dict[int, CopyView] = {}
@@ -81,7 +87,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
             "done": done,
             "state": c.state,
             "host_blocks": list(c.host_blocks),
-            "nodes": [n.serial for n in c.nodes],
+            "nodes": [serial[n] for n in c.nodes],
         }
     kv = trie._kv
     slots = trie._slots
@@ -94,13 +100,13 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "refcounts": dict(enumerate(kv.refs)),
         "slot_capacity": slots.capacity,
         "free_slots": slots.free_ids(),
-        "roots": {ns: r.serial for ns, r in trie._roots.items()},
+        "roots": {ns: serial[r] for ns, r in trie._roots.items()},
         "nodes": nodes,
         "checkpoints": checkpoints,
         "sequences": sequences,
         "copies": copies,
         "explicit_pins": [r.checkpoint.serial for r in trie._explicit.values()],
-        "evictable_index": [n.serial for n in trie._evictor.index],
+        "evictable_index": [serial[n] for n in trie._evictor.index],
         "checkpoint_index": [c.serial for c in trie._checkpoints.lru],
         "event_blocks": trie._events.replayed_blocks(),
         "event_checkpoint_slots": trie._events.replayed_checkpoint_slots(),
@@ -108,7 +114,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "host_capacity": host_pool.capacity,
         "free_host_blocks": host_pool.free_ids(),
         "host_refcounts": dict(enumerate(host_pool.refs)),
-        "host_index": [] if host is None else [n.serial for n in host.index],
+        "host_index": [] if host is None else [serial[n] for n in host.index],
         "event_host_blocks": trie._events.replayed_host_blocks() if host is not None else None,
         "host_slot_capacity": trie._host_slots.capacity,
         "free_host_slots": trie._host_slots.free_ids(),

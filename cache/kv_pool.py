@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from cache.faults import Faults
@@ -45,9 +47,10 @@ class KVBlockPool:
             )
         )
         self._fault_point = "kv.take" if name == "KV" else "host.take"
-        self.refs: list[int] = [0] * num_blocks
+        # Machine-int columns: 8 bytes per block for both, no `int` object per block.
+        self.refs = array("i", bytes(4 * num_blocks))
         # A stack: the lowest ids are handed out first on a fresh pool.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free = array("i", range(num_blocks - 1, -1, -1))
         self._faults = faults
 
     @property
@@ -68,7 +71,7 @@ class KVBlockPool:
         if n > len(self._free):
             raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {len(self._free)} free")
         free = self._free
-        taken = free[len(free) - n :]
+        taken = free[len(free) - n :].tolist()
         del free[len(free) - n :]
         taken.reverse()
         refs = self.refs

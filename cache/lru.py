@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 
@@ -123,3 +123,93 @@ def _members(bucket: T | list[T]) -> list[T]:
 
 def _serial(obj: _Ordered) -> int:
     return obj.serial
+
+
+class NodeLRU:
+    """`LRUIndex` for nodes that are ids in a `cache.node.NodeTable`: the same
+    order, layout and costs, reading each node's `tick` and `serial` from the
+    table's columns instead of from an object. A node's tick must not change
+    while it is in the index (remove, change, add)."""
+
+    __slots__ = ("_buckets", "_serials", "_size", "_tick_of", "_ticks")
+
+    def __init__(self, ticks: Sequence[int], serials: Sequence[int]) -> None:
+        self._tick_of = ticks  # the table's columns: they grow in place
+        self._serials = serials
+        self._buckets: dict[int, int | list[int]] = {}
+        self._ticks: list[int] = []  # a heap; may hold stale or repeated ticks
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __contains__(self, node: int) -> bool:
+        bucket = self._buckets.get(self._tick_of[node])
+        if type(bucket) is list:
+            return node in bucket
+        return bucket == node
+
+    def __iter__(self) -> Iterator[int]:
+        """Members, oldest first."""
+        for tick in sorted(self._buckets):
+            yield from _node_members(self._buckets[tick])
+
+    def unordered(self) -> Iterator[int]:
+        """Members in no particular order (cheap)."""
+        for bucket in self._buckets.values():
+            yield from _node_members(bucket)
+
+    def add(self, node: int) -> None:
+        """Insert `node` (must not be present)."""
+        tick = self._tick_of[node]
+        buckets = self._buckets
+        bucket = buckets.get(tick)
+        if bucket is None:
+            buckets[tick] = node
+            ticks = self._ticks
+            heapq.heappush(ticks, tick)
+            if len(ticks) > 2 * len(buckets) + 64:
+                self._ticks = list(buckets)
+                heapq.heapify(self._ticks)
+        elif type(bucket) is list:
+            bisect.insort(bucket, node, key=self._serials.__getitem__)
+        else:
+            buckets[tick] = sorted((bucket, node), key=self._serials.__getitem__)  # type: ignore[arg-type]
+        self._size += 1
+
+    def remove(self, node: int) -> None:
+        """Remove `node`; `KeyError` when it is not a member."""
+        tick = self._tick_of[node]
+        buckets = self._buckets
+        bucket = buckets.get(tick)
+        if bucket is None:
+            raise KeyError(node)
+        if type(bucket) is list:
+            try:
+                bucket.remove(node)
+            except ValueError:
+                raise KeyError(node) from None
+            if len(bucket) == 1:
+                buckets[tick] = bucket[0]
+        elif bucket == node:
+            del buckets[tick]
+        else:
+            raise KeyError(node)
+        self._size -= 1
+
+    def oldest(self) -> int:
+        """The least recent node (index must not be empty)."""
+        ticks = self._ticks
+        buckets = self._buckets
+        while True:
+            bucket = buckets.get(ticks[0])
+            if bucket is not None:
+                return bucket[0] if type(bucket) is list else bucket  # type: ignore[return-value]
+            heapq.heappop(ticks)
+
+
+def _node_members(bucket: int | list[int]) -> list[int]:
+    return bucket if type(bucket) is list else [bucket]  # type: ignore[list-item]

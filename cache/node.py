@@ -1,217 +1,343 @@
-"""Trie nodes and the checkpoints they anchor: plain slotted records.
+"""Trie nodes as columns (`NodeTable`), and the checkpoints they anchor.
 
-The trie (`cache.trie`) owns every mutation; these classes hold state only.
+A node is an `int`: its row in the `NodeTable` of its trie. There is no Python
+object per cached block: every fact about a node is one entry of a column
+indexed by its id (`array`s of machine ints, a `bytearray` of token ids, and
+lists of shared `str` states), so a cached block costs about 140 bytes of
+host memory and nothing for the garbage collector to walk (issue 13).
+
+The trie (`cache.trie`) and the modules it delegates to own every mutation;
+the table holds state and the few operations that keep its links consistent
+(`attach_child`, `detach_child`, `new`, `release`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any, NoReturn
+from array import array
+from collections.abc import Hashable, MutableSequence
 
 from cache.keys import HashedKey, key_extra, key_tokens
-from spec.lifecycle import Residency
+from spec.lifecycle import NodeState, Residency
 
-__all__ = ["NO_BLOCK", "NO_CHILDREN", "Checkpoint", "HashedKey", "Node", "child_of"]
+__all__ = [
+    "MANY",
+    "NO_BLOCK",
+    "NO_CHILD",
+    "NO_NODE",
+    "NO_SLOT",
+    "Checkpoint",
+    "HashedKey",
+    "Node",
+    "NodeTable",
+]
 
+Node = int
+"""A node: its row in its trie's `NodeTable` (the type hints say which ints are nodes)."""
 
-class _NoChildren(dict[Hashable, "Node"]):
-    """The empty `children` every leaf shares (type of `NO_CHILDREN`); it refuses writes.
-
-    Most nodes of a trie are leaves or chain links; one shared empty mapping
-    instead of an empty `dict` per leaf saves its 64 bytes and one allocation
-    (one garbage-collected object) per attached block. Reads are plain `dict`
-    reads; a write raises `TypeError`, so a missed "give the parent its own
-    dict first" cannot silently give every leaf a child.
-    """
-
-    __slots__ = ()
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError("NO_CHILDREN is shared by every leaf and is read-only")
-
-    __setitem__ = __delitem__ = setdefault = update = pop = popitem = clear = _refuse
-    __ior__ = _refuse  # type: ignore[assignment]
-
-
-NO_CHILDREN: dict[Hashable, Node] = _NoChildren()
-"""A leaf's `children`: the one shared, empty, read-only mapping (`Node.children`)."""
-
-
-_new_object = object.__new__
-
-
+NO_NODE = -1
+"""`NodeTable.parent` of a root or of a node no longer attached."""
+NO_CHILD = -1
+"""`NodeTable.child` of a leaf."""
+MANY = -2
+"""`NodeTable.child` of a node whose children are in `NodeTable.kids` (two or more,
+and every root's)."""
 NO_BLOCK = -1
-"""`Node.block` of a node that owns no device block: a root, or an `offloaded` node."""
+"""`NodeTable.block` of a node that owns no device block: a root, or an `offloaded`
+node; `NodeTable.host` of a node without a host block."""
 NO_SLOT = -1
 """`Checkpoint.slot` of a host-only checkpoint; `Checkpoint.host_slot` of one without a
 host copy."""
 
 _DEVICE = Residency.DEVICE.value  # a new node's residency
+_FREE = NodeState.FREED.value  # the state of a row no node uses
+_ROOT = NodeState.ROOT.value
 
 
-class Node:
-    """One full KV block of one prefix, or a namespace root (`key is None`).
+class NodeTable:
+    """Every node of one trie, stored as columns indexed by node id.
 
-    `key` is what the parent's `children` dict is keyed by (`cache.keys`): the
-    block's packed token ids, or `(packed, extra)` when the block has an extra
-    identity (wrapped by `HashedKey` when a test injects a key hash); `tokens`
-    unpacks them. `state` is the stored
-    lifecycle state (`spec.lifecycle.NodeState` values; `ROOT` for roots).
-    `block` is its device block, `NO_BLOCK` for a root or while its KV lives
-    only on the host tier; `host` its host block (`NO_BLOCK` when none) and
-    `residency` a `spec.lifecycle.Residency` value (always `device` without a
-    host tier). `tick`/`serial` order eviction; `block_hash` is the chained hash that
-    events carry. Built by keyword only.
+    Columns (`t.column[node]`):
 
-    `children` has three shapes, kept by `attach_child` / `detach_child`
-    only: `NO_CHILDREN` (shared, read-only, falsy) for a leaf; **the child
-    itself** for a node with exactly one child (the chain links that make up
-    most of a trie: no dict, about 220 bytes less per block); a dict from key
-    to child for two or more. Read it through `child`, `child_nodes` and
-    `child_count`, or, on a hot path, as `child` does. A node's depth is not
-    stored: `cache.inspection` counts it while it walks from the roots.
+    - `parent`: the parent's id, `NO_NODE` for a root or a detached node;
+    - `child`: the only child, `NO_CHILD` for a leaf, `MANY` when the children
+      are in `kids[node]` (a dict from key to child; roots always use it);
+    - `block` / `host`: the device / host block (`NO_BLOCK` when none);
+    - `tick` / `serial`: the eviction order `(tick, serial)` ([R10]); the
+      serial is also the node's id in snapshots ([R43]), unique for the trie's
+      life (rows are reused, serials are not);
+    - `block_hash`: the chained hash that events carry (0 with events off); an
+      `array("Q")`, or a list of ints with `wide_hashes` (a scheme, such as
+      vLLM's, whose chain runs on digests wider than 64 bits);
+    - `state` / `residency`: `spec.lifecycle` values (plain `str`s);
+    - `namespace`: the namespace of the node's root;
+    - `tokens`: the block's token ids, native uint32, `width` bytes per row,
+      for a node whose key is its packed token bytes (a *plain* key, the
+      usual case); a node with any other key (extra identity, a token id past
+      32 bits, an injected key hash: `cache.keys`) has it in `wide` instead;
+    - `checkpoint`: the node's checkpoint, for the nodes that anchor one.
+
+    A key is compared exactly (`has_key`): the token bytes in place, or the
+    `wide` key with `==`. Rows are handed out by `new` and returned by
+    `release`; the table grows (doubling) when every row is in use.
     """
 
     __slots__ = (
+        "_free",
         "block",
         "block_hash",
+        "capacity",
         "checkpoint",
-        "children",
+        "child",
         "host",
-        "key",
+        "kids",
         "namespace",
         "parent",
         "residency",
         "serial",
         "state",
         "tick",
+        "tokens",
+        "wide",
+        "width",
     )
 
-    def __init__(
+    def __init__(self, block_size: int, capacity: int, wide_hashes: bool = False) -> None:
+        capacity = max(capacity, 1)
+        self.width = 4 * block_size
+        """Bytes of one plain key (`block_size` uint32 token ids)."""
+        self.capacity = 0
+        self.parent = array("i")
+        self.child = array("i")
+        self.block = array("i")
+        self.host = array("i")
+        self.tick = array("q")
+        self.serial = array("q")
+        # uint64 unless a scheme chains on wider digests (vLLM's: 256 bits)
+        self.block_hash: MutableSequence[int] = [] if wide_hashes else array("Q")
+        self.state: list[str] = []
+        self.residency: list[str] = []
+        self.namespace: list[str] = []
+        self.tokens = bytearray()
+        self.kids: dict[Node, dict[Hashable, Node]] = {}
+        self.wide: dict[Node, Hashable] = {}
+        self.checkpoint: dict[Node, Checkpoint] = {}
+        self._free = array("i")
+        self._grow(capacity)
+
+    def _grow(self, more: int) -> None:
+        """Add `more` free rows (the columns grow in place: references to them stay valid)."""
+        old = self.capacity
+        new = old + more
+        self.parent.extend(array("i", [NO_NODE]) * more)
+        self.child.extend(array("i", [NO_CHILD]) * more)
+        self.block.extend(array("i", [NO_BLOCK]) * more)
+        self.host.extend(array("i", [NO_BLOCK]) * more)
+        self.tick.extend(array("q", bytes(8 * more)))
+        self.serial.extend(array("q", bytes(8 * more)))
+        self.block_hash.extend([0] * more)
+        self.state.extend([_FREE] * more)
+        self.residency.extend([_DEVICE] * more)
+        self.namespace.extend([""] * more)
+        self.tokens.extend(bytes(self.width * more))
+        # Popped from the end: lowest rows first, so a fresh trie fills them in order.
+        # (Only called with no free row left.)
+        self._free.extend(array("i", range(new - 1, old - 1, -1)))
+        self.capacity = new
+
+    # ------------------------------------------------------------ rows
+
+    @property
+    def num_used(self) -> int:
+        """Rows holding a node (attached or root)."""
+        return self.capacity - len(self._free)
+
+    def new(
         self,
-        *,
-        parent: Node | None,
+        parent: Node,
         key: Hashable,
         block: int,
-        namespace: str,
         serial: int,
         tick: int,
         block_hash: int,
         state: str,
-    ) -> None:
-        self.parent = parent
-        self.key = key
-        self.block = block
-        self.namespace = namespace
-        self.serial = serial
-        self.tick = tick
-        self.block_hash = block_hash
-        self.state = state
-        self.children: Node | dict[Hashable, Node] = NO_CHILDREN
-        self.checkpoint: Checkpoint | None = None
-        self.host = NO_BLOCK
-        self.residency = _DEVICE
-
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        """The block's token ids, unpacked from `key` (`()` for a root)."""
-        return key_tokens(self.key)
-
-    @property
-    def extra(self) -> Hashable:
-        """The block's extra identity, read from `key` (None for a plain block or a root)."""
-        return key_extra(self.key)
-
-    def child(self, key: Hashable) -> Node | None:
-        """The child under `key`, or None (the lookup `match` and `commit` inline)."""
-        children = self.children
-        if type(children) is Node:
-            k = children.key
-            return children if k is key or k == key else None
-        return children.get(key)  # type: ignore[union-attr]
-
-    def child_nodes(self) -> list[Node]:
-        """The children, in the order they were attached."""
-        children = self.children
-        if type(children) is Node:
-            return [children]
-        return list(children.values())  # type: ignore[union-attr]
-
-    def child_count(self) -> int:
-        """How many children the node has."""
-        children = self.children
-        return 1 if type(children) is Node else len(children)  # type: ignore[arg-type]
-
-    def attach_child(self, key: Hashable, child: Node) -> None:
-        """Make `child` (whose `key` is `key`) this node's child.
-
-        A first child is held directly; a second one gives the node a dict.
-        """
-        children = self.children
-        if children is NO_CHILDREN:
-            self.children = child
-        elif type(children) is Node:
-            self.children = {children.key: children, key: child}
+        namespace: str,
+    ) -> Node:
+        """A fresh row for a node under `parent` (`NO_NODE` for a root, whose `key` is
+        None), with these facts, `device` residency, no children and no host block;
+        not linked into `parent`'s children (`attach_child` does that)."""
+        free = self._free
+        if not free:
+            self._grow(self.capacity)
+        node = free.pop()
+        self.parent[node] = parent
+        self.child[node] = MANY if key is None else NO_CHILD
+        self.block[node] = block
+        self.host[node] = NO_BLOCK
+        self.tick[node] = tick
+        self.serial[node] = serial
+        self.block_hash[node] = block_hash
+        self.state[node] = state
+        self.residency[node] = _DEVICE
+        self.namespace[node] = namespace
+        if key is None:
+            self.kids[node] = {}
+        elif type(key) is bytes and len(key) == self.width:
+            at = node * self.width
+            self.tokens[at : at + self.width] = key
         else:
-            children[key] = child  # type: ignore[index]
+            self.wide[node] = key
+        return node
 
-    def detach_child(self, key: Hashable) -> None:
-        """Remove the child under `key` (`KeyError` if absent).
+    def release(self, node: Node) -> None:
+        """Return `node`'s row (detached, childless, no checkpoint) for reuse."""
+        self.parent[node] = NO_NODE
+        self.child[node] = NO_CHILD
+        self.state[node] = _FREE
+        self.wide.pop(node, None)
+        self.kids.pop(node, None)
+        self._free.append(node)
 
-        The last one puts `NO_CHILDREN` back; a dict left with one child gives
-        way to the child itself.
+    def used(self) -> list[Node]:
+        """Every row holding a node, in id order (for inspection)."""
+        free = set(self._free)
+        return [n for n in range(self.capacity) if n not in free]
+
+    # ------------------------------------------------------------ keys
+
+    def key(self, node: Node) -> Hashable:
+        """`node`'s key as its parent's children are keyed (None for a root)."""
+        if self.state[node] == _ROOT:
+            return None
+        wide = self.wide.get(node)
+        if wide is not None:
+            return wide
+        at = node * self.width
+        return bytes(self.tokens[at : at + self.width])
+
+    def has_key(self, node: Node, key: Hashable) -> bool:
+        """Whether `node`'s key equals `key` (exactly)."""
+        wide = self.wide
+        if wide and node in wide:
+            return wide[node] == key
+        if type(key) is not bytes or len(key) != self.width:
+            return False
+        at = node * self.width
+        return self.tokens.startswith(key, at, at + self.width)
+
+    def is_root(self, node: Node) -> bool:
+        """Whether `node` is a namespace root."""
+        return self.state[node] == _ROOT
+
+    def tokens_of(self, node: Node) -> tuple[int, ...]:
+        """The block's token ids (`()` for a root)."""
+        if self.is_root(node):
+            return ()
+        return key_tokens(self.key(node))
+
+    def extra_of(self, node: Node) -> Hashable:
+        """The block's extra identity (None for a plain block or a root)."""
+        wide = self.wide.get(node)
+        return None if wide is None else key_extra(wide)
+
+    # -------------------------------------------------------- children
+
+    def child_of(self, node: Node, key: Hashable) -> Node:
+        """The child of `node` under `key`, or `NO_NODE` (the lookup `match` and
+        `commit` inline)."""
+        only = self.child[node]
+        if only >= 0:
+            return only if self.has_key(only, key) else NO_NODE
+        if only == NO_CHILD:
+            return NO_NODE
+        return self.kids[node].get(key, NO_NODE)
+
+    def child_nodes(self, node: Node) -> list[Node]:
+        """The children of `node`, in the order they were attached."""
+        only = self.child[node]
+        if only >= 0:
+            return [only]
+        if only == NO_CHILD:
+            return []
+        return list(self.kids[node].values())
+
+    def child_count(self, node: Node) -> int:
+        """How many children `node` has."""
+        only = self.child[node]
+        if only >= 0:
+            return 1
+        if only == NO_CHILD:
+            return 0
+        return len(self.kids[node])
+
+    def is_leaf(self, node: Node) -> bool:
+        """Whether `node` has no child (a root never counts as one here: see
+        `child_count`)."""
+        only = self.child[node]
+        return only == NO_CHILD or (only == MANY and not self.kids[node])
+
+    def attach_child(self, parent: Node, key: Hashable, child: Node) -> None:
+        """Make `child` (whose key is `key`) a child of `parent`: a first child is
+        held in `child[parent]`, a second moves both into `kids[parent]`."""
+        only = self.child[parent]
+        if only == NO_CHILD:
+            self.child[parent] = child
+        elif only >= 0:
+            self.kids[parent] = {self.key(only): only, key: child}
+            self.child[parent] = MANY
+        else:
+            self.kids[parent][key] = child
+
+    def detach_child(self, parent: Node, child: Node) -> None:
+        """Remove `child` from `parent`'s children (`KeyError` if it is not one).
+
+        A non-root parent left with one child holds it in `child[parent]` again.
         """
-        children = self.children
-        if type(children) is Node:
-            k = children.key
-            if not (k is key or k == key):
-                raise KeyError(key)
-            self.children = NO_CHILDREN
+        only = self.child[parent]
+        if only >= 0:
+            if only != child:
+                raise KeyError(child)
+            self.child[parent] = NO_CHILD
             return
-        del children[key]  # type: ignore[union-attr]
-        if len(children) == 1:  # type: ignore[arg-type]
-            (self.children,) = children.values()  # type: ignore[union-attr]
+        if only == NO_CHILD:
+            raise KeyError(child)
+        kids = self.kids[parent]
+        key = self.key(child)
+        if kids.get(key) != child:
+            raise KeyError(child)
+        del kids[key]
+        if len(kids) == 1 and self.state[parent] != _ROOT:
+            (self.child[parent],) = kids.values()
+            del self.kids[parent]
 
-    def __repr__(self) -> str:
-        return f"<Node #{self.serial} ns={self.namespace!r} block={self.block} {self.state}>"
+    def describe(self, node: Node) -> str:
+        """`node` as error messages name it."""
+        return (
+            f"<Node #{self.serial[node]} ns={self.namespace[node]!r} "
+            f"block={self.block[node]} {self.state[node]}>"
+        )
+
+    def named(self, node: Node) -> NodeName:
+        """`node` as a transition's subject: named (`describe`) only if it is printed."""
+        return NodeName(self, node)
 
 
-def child_of(
-    parent: Node,
-    *,
-    key: Hashable,
-    block: int,
-    serial: int,
-    tick: int,
-    block_hash: int,
-    state: str,
-) -> Node:
-    """A new node under `parent` (in its namespace), not yet linked in.
+class NodeName:
+    """A node that prints as `NodeTable.describe` says, when (and as it is when) printed."""
 
-    The same record as `Node`'s keyword constructor builds, for the commit hot
-    path: a module function (no bound classmethod per call) that takes the
-    namespace from `parent` and skips `__init__`; together about half the cost
-    of the constructor. Keyword-only, like the constructor: four of its
-    arguments are ints.
-    """
-    node: Node = _new_object(Node)
-    node.parent = parent
-    node.key = key
-    node.block = block
-    node.namespace = parent.namespace
-    node.serial = serial
-    node.tick = tick
-    node.block_hash = block_hash
-    node.state = state
-    node.children = NO_CHILDREN
-    node.checkpoint = None
-    node.host = NO_BLOCK
-    node.residency = _DEVICE
-    return node
+    __slots__ = ("node", "table")
+
+    def __init__(self, table: NodeTable, node: Node) -> None:
+        self.table = table
+        self.node = node
+
+    def __str__(self) -> str:
+        return self.table.describe(self.node)
+
+    __repr__ = __str__
 
 
 class Checkpoint:
-    """An SSM state snapshot after exactly `step` tokens, anchored at `anchor`.
+    """An SSM state snapshot after exactly `step` tokens, anchored at node `anchor`.
 
     `tail`/`tail_extra` are the tokens and identity of the partial block past
     the anchor (empty / None for a block-aligned step); `frozen_block` holds a

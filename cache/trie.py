@@ -49,7 +49,7 @@ from cache.faults import Faults
 from cache.host_tier import HostTier
 from cache.keys import block_identity, request_keys
 from cache.kv_pool import KVBlockPool
-from cache.node import NO_BLOCK, NO_SLOT, Checkpoint, Node, child_of
+from cache.node import MANY, NO_BLOCK, NO_NODE, NO_SLOT, Checkpoint, Node, NodeTable
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -79,6 +79,7 @@ from spec.snapshot import Snapshot
 
 _EVICTABLE = NodeState.EVICTABLE.value
 _CACHED = NodeState.CACHED.value
+_ROOT = NodeState.ROOT.value
 _LOADING = Residency.LOADING.value
 _LOAD_FAILED = ResidencyTrigger.LOAD_FAILED.value  # a copy undone never delivered
 _STORE_FAILED = ResidencyTrigger.STORE_FAILED.value
@@ -156,18 +157,28 @@ class BlockTrie:
             ) from None
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
+        # Every node needs a device or a host block, but roots: room for all of
+        # them and a few namespaces (the table grows past that).
+        self._nodes = NodeTable(
+            config.block_size,
+            config.num_blocks + config.num_host_blocks + 8,
+            wide_hashes=config.enable_events and config.block_hash != "xxh3",
+        )
         self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
+        self._events.nodes = self._nodes
         self._checkpoints = CheckpointStore(
-            self._slots, self._kv, self.stats, self._events, config.block_size, self
+            self._nodes, self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
         self._host_slots = host_slots
         if config.host_checkpoints:
             self._checkpoints.host_slots = host_slots
         self._host: HostTier | None = None
         if config.host_tier:
-            self._host = HostTier(host_pool, self._kv, self.stats, self._events)
+            self._host = HostTier(self._nodes, host_pool, self._kv, self.stats, self._events)
         self._host_pool = host_pool
-        self._evictor = Evictor(self._kv, self._checkpoints, self.stats, self._events, self._host)
+        self._evictor = Evictor(
+            self._nodes, self._kv, self._checkpoints, self.stats, self._events, self._host
+        )
         if self._host is not None:
             self._host.bind(self._evictor)
         self._checkpoints.on_pins_changed = self._evictor.settle
@@ -329,18 +340,49 @@ class BlockTrie:
         """The namespace's root, created on first use ([R11])."""
         root = self._roots.get(namespace)
         if root is None:
-            root = Node(
-                parent=None,
-                key=None,
-                block=NO_BLOCK,  # a root owns no block; `key is None` marks a root
-                namespace=namespace,
-                serial=-1 - len(self._roots),
-                tick=0,
-                block_hash=self._events.root_hash(namespace),
-                state=NodeState.ROOT.value,
+            root = self._nodes.new(
+                NO_NODE,
+                None,  # a root has no key and owns no block; its state is `root`
+                NO_BLOCK,
+                -1 - len(self._roots),
+                0,
+                self._events.root_hash(namespace),
+                _ROOT,
+                namespace,
             )
             self._roots[namespace] = root
         return root
+
+    def _walk(self, root: Node, keys: list[Hashable]) -> list[Node]:
+        """The nodes under `root` whose keys are `keys`' leading ones, in order ([R12]):
+        walks while a child with the exact key exists."""
+        t = self._nodes
+        only_child = t.child
+        kids = t.kids
+        tokens = t.tokens
+        width = t.width
+        wide = t.wide
+        path: list[Node] = []
+        node = root
+        for key in keys:
+            child = only_child[node]  # `NodeTable.child_of`, inlined
+            if child >= 0:
+                if wide and child in wide:
+                    if wide[child] != key:
+                        break
+                elif type(key) is not bytes or not tokens.startswith(
+                    key, child * width, child * width + width
+                ):
+                    break
+            elif child == MANY:
+                child = kids[node].get(key, NO_NODE)
+                if child < 0:
+                    break
+            else:
+                break
+            path.append(child)
+            node = child
+        return path
 
     # ----------------------------------------------------------------- match
 
@@ -367,18 +409,9 @@ class BlockTrie:
             keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
             root = self._roots.get(namespace)
             path: list[Node] = []
+            t = self._nodes
             if root is not None:  # [R12]: walk while a child with the exact key exists
-                node = root
-                for key in keys:
-                    children = node.children  # `Node.child`, inlined
-                    if type(children) is Node:
-                        child = children if children.key == key else None
-                    else:
-                        child = children.get(key)  # type: ignore[union-attr]
-                    if child is None:
-                        break
-                    path.append(child)
-                    node = child
+                path = self._walk(root, keys)
             usable = min(len(path), (len(toks) - 1) // size)
             ck: Checkpoint | None = None
             host_nodes: list[Node] = []
@@ -391,8 +424,10 @@ class BlockTrie:
                     depth, host_nodes, waits, waiting = self._host.split(path, usable)
                     hit = (depth + len(host_nodes)) * size  # shorter past a failed load
             else:
-                if root is not None:
-                    ck = CheckpointStore.deepest_match(root, path, toks, ext, usable, size)
+                if root is not None and t.checkpoint:
+                    ck = CheckpointStore.deepest_match(
+                        t.checkpoint, root, path, toks, ext, usable, size
+                    )
                 depth = ck.step // size if ck is not None else 0
                 hit = ck.step if ck is not None else 0
 
@@ -401,10 +436,12 @@ class BlockTrie:
             seq.keys = keys
             seq.branch_step = len(path) * size
             held = path[:depth]
-            blocks = [node.block for node in held]
+            block = t.block
+            blocks = [block[node] for node in held]
             self._kv.incref_all(blocks)
+            state = t.state
             for node in held:
-                if node.state == _EVICTABLE:
+                if state[node] == _EVICTABLE:
                     self._evictor.settle(node)
             seq.path = held
             seq.blocks = blocks
@@ -509,10 +546,11 @@ class BlockTrie:
                 if len(pending) <= 1:
                     return pending[0] if pending else None
                 return self._launch_load(seq, [], [], pending)
-            own = [node for node in nodes if node.block == NO_BLOCK]
-            shared = [node for node in nodes if node.block != NO_BLOCK]
+            t = self._nodes
+            own = [node for node in nodes if t.block[node] == NO_BLOCK]
+            shared = [node for node in nodes if t.block[node] != NO_BLOCK]
             for node in shared:
-                if node.residency == _LOADING and host.loading[node].failed:
+                if t.residency[node] == _LOADING and host.loading[node].failed:
                     raise HostTierError(
                         f"load: {host.loading[node]!r}, loading a block {seq!r} reads, "
                         "failed; poll() and load again (it will be loaded anew)"
@@ -521,7 +559,7 @@ class BlockTrie:
             for node, block in zip(own, blocks, strict=True):
                 self._evictor.attach_block(node, block)
             for node in shared:
-                if node.residency == _LOADING:
+                if t.residency[node] == _LOADING:
                     copy = host.loading[node]
                     if not copy.done and copy not in pending:
                         pending.append(copy)
@@ -536,14 +574,15 @@ class BlockTrie:
         nothing is held."""
         kv = self._kv
         evictor = self._evictor
-        kv.incref_all([node.block for node in shared])
+        block = self._nodes.block
+        kv.incref_all([block[node] for node in shared])
         for node in shared:
             evictor.settle(node)  # held now: out of the eviction index
         try:
             evictor.make_room(need)
             return kv.take(need)
         except BaseException:
-            kv.decref_all([node.block for node in shared])
+            kv.decref_all([block[node] for node in shared])
             for node in shared:
                 evictor.settle(node)
             raise
@@ -561,10 +600,12 @@ class BlockTrie:
         if host is None:  # `load` without a host tier waits on nothing it queues
             raise HostTierError("load: this cache has no host tier")
         kv = self._kv
+        t = self._nodes
+        block = t.block
         if not own and len(pending) <= 1:
             host.unpin(shared)  # their device blocks are the request's now
             seq.path.extend(seq.host_path)
-            seq.blocks.extend(node.block for node in seq.host_path)
+            seq.blocks.extend(block[node] for node in seq.host_path)
             seq.host_path = []
             seq.loads = pending
             return pending[0] if pending else None
@@ -572,18 +613,18 @@ class BlockTrie:
         copy = self._transfers.number(host.load_moves(own, waits_on))
         for node in own:
             host.begin_load(node)
-            kv.incref(node.block)  # the request's reference
+            kv.incref(block[node])  # the request's reference
             host.loading[node] = copy
             copy.nodes.append(node)
-        self._transfers.hold(copy, [n.block for n in own], [])
-        copy.host_blocks.extend(n.host for n in own)  # the request's host references
+        self._transfers.hold(copy, [block[n] for n in own], [])
+        copy.host_blocks.extend(t.host[n] for n in own)  # the request's host references
         host.unpin(shared)  # their device blocks are the request's now
         for node in own:
             self._evictor.settle(node)
         nodes = seq.host_path
         old_loads = seq.loads
         seq.path.extend(nodes)
-        seq.blocks.extend(node.block for node in nodes)
+        seq.blocks.extend(block[node] for node in nodes)
         seq.host_path = []
         seq.loads = [*pending, copy] if own else pending
 
@@ -594,11 +635,11 @@ class BlockTrie:
             seq.loads = old_loads
             host.pin(nodes)  # the request's host references, as after match
             for node in shared:
-                kv.decref(node.block)
+                kv.decref(block[node])
             for node in own:
                 del host.loading[node]
-                kv.decref(node.block)  # the request's (the copy's went with the copy)
-                node.residency = RESIDENCY.step(_LOAD_FAILED, node.residency, node)
+                kv.decref(block[node])  # the request's (the copy's went with the copy)
+                t.residency[node] = RESIDENCY.step(_LOAD_FAILED, t.residency[node], t.named(node))
                 self._evictor.detach_block(node)
                 host.settle(node)
 
@@ -650,24 +691,37 @@ class BlockTrie:
             parent = path[-1] if path else self._root(seq.namespace)
             plain = seq.extra is None and self._key_hash is None
             kv = self._kv
+            t = self._nodes
+            only_child = t.child
+            block_of = t.block
+            tokens = t.tokens
+            width = t.width
+            wide = t.wide
             stored: list[Node] = []
             hashes: list[int]  # of the new blocks, made at the first
             for i in range(start, full):
                 key = keys[i]
-                children = parent.children  # `Node.child`, inlined
-                if type(children) is Node:
-                    child = children if children.key == key else None
-                else:
-                    child = children.get(key)  # type: ignore[union-attr]
-                if child is not None and child.block == NO_BLOCK:  # [R49]
+                child = only_child[parent]  # `NodeTable.child_of`, inlined
+                if child >= 0:
+                    if wide and child in wide:
+                        if wide[child] != key:
+                            child = NO_NODE
+                    elif type(key) is not bytes or not tokens.startswith(
+                        key, child * width, child * width + width
+                    ):
+                        child = NO_NODE
+                elif child == MANY:
+                    child = t.kids[parent].get(key, NO_NODE)
+                if child >= 0 and block_of[child] == NO_BLOCK:  # [R49]
                     self._adopt(child, seq.blocks[i], tick)
-                elif child is not None:  # [R18]
+                elif child >= 0:  # [R18]
                     own = seq.blocks[i]
-                    kv.incref(child.block)
-                    seq.blocks[i] = child.block
+                    cached = block_of[child]
+                    kv.incref(cached)
+                    seq.blocks[i] = cached
                     kv.decref(own)
                     self._evictor.settle(child)
-                    child.tick = tick  # [R8]
+                    t.tick[child] = tick  # [R8]
                 else:  # [R19]
                     if not stored:  # every later block is new too (this one's node has
                         # no children): hash them all before attaching any
@@ -694,13 +748,14 @@ class BlockTrie:
                     f"commit: {seq!r} reads blocks that {copy!r} is loading"
                     + ("; it failed: abort the request" if copy.failed else "; wait for it")
                 )
-        node = seq.path[-1] if seq.path else self._roots.get(seq.namespace)
+        node = seq.path[-1] if seq.path else self._roots.get(seq.namespace, NO_NODE)
         host = self._host
+        t = self._nodes
         for i in range(start, full):
-            if node is None:
+            if node == NO_NODE:
                 break
-            node = node.child(keys[i])
-            if node is not None and node.residency == _LOADING and host is not None:
+            node = t.child_of(node, keys[i])
+            if node != NO_NODE and t.residency[node] == _LOADING and host is not None:
                 copy = host.loading[node]
                 if copy.failed:
                     raise HostTierError(
@@ -719,11 +774,13 @@ class BlockTrie:
         ([R49]): the request's block becomes its device copy."""
         host = self._host
         if host is None:
-            raise HostTierError(f"commit: {node!r} has no device block and no host tier")
+            raise HostTierError(
+                f"commit: {self._nodes.describe(node)} has no device block and no host tier"
+            )
         self._kv.incref(block)  # the trie's reference; the request keeps its own
         self._evictor.attach_block(node, block)
         host.adopt(node)
-        node.tick = tick  # [R8]
+        self._nodes.tick[node] = tick  # [R8]
         self._evictor.settle(node)
         self._events.back_on_device([node])
 
@@ -735,9 +792,10 @@ class BlockTrie:
         host = self._host
         if host is None:
             raise HostTierError("write-back without a host tier")
+        t = self._nodes
         copy = self._transfers.number(host.store_moves(nodes))
-        copy.blocks = [n.block for n in nodes]  # references taken by the evictor
-        copy.host_blocks = [n.host for n in nodes]
+        copy.blocks = [t.block[n] for n in nodes]  # references taken by the evictor
+        copy.host_blocks = [t.host[n] for n in nodes]
         copy.nodes = list(nodes)
         host.write_backs[copy.serial] = copy
         for node in nodes:
@@ -746,9 +804,9 @@ class BlockTrie:
         def undo() -> None:
             del host.write_backs[copy.serial]
             for node in nodes:
-                node.residency = RESIDENCY.step(_STORE_FAILED, node.residency, node)
-                host.pool.decref(node.host)  # the node's: the block is free again
-                node.host = NO_BLOCK
+                t.residency[node] = RESIDENCY.step(_STORE_FAILED, t.residency[node], t.named(node))
+                host.pool.decref(t.host[node])  # the node's: the block is free again
+                t.host[node] = NO_BLOCK
                 self._evictor.settle(node)
 
         with contextlib.suppress(CacheError):  # a failed store is undone: device-only
@@ -781,16 +839,17 @@ class BlockTrie:
         storing = nodes[: len(host_blocks)]
         for node, host_block in zip(storing, host_blocks, strict=True):
             host.begin_store(node, host_block)
+        t = self._nodes
         copy = self._transfers.number(host.store_moves(storing))
         # It reads each device block and writes each host block until reaped.
-        self._transfers.hold(copy, [n.block for n in storing], [n.host for n in storing])
+        self._transfers.hold(copy, [t.block[n] for n in storing], [t.host[n] for n in storing])
         copy.nodes = storing
 
         def undo() -> None:
             for node in storing:
-                node.residency = RESIDENCY.step(_STORE_FAILED, node.residency, node)
-                host.pool.decref(node.host)  # the node's: the block is free again
-                node.host = NO_BLOCK
+                t.residency[node] = RESIDENCY.step(_STORE_FAILED, t.residency[node], t.named(node))
+                host.pool.decref(t.host[node])  # the node's: the block is free again
+                t.host[node] = NO_BLOCK
 
         with contextlib.suppress(CacheError):  # a failed store is undone: device-only
             self._transfers.launch(copy, undo)
@@ -798,16 +857,11 @@ class BlockTrie:
     def _attach(self, parent: Node, key: Hashable, block: int, tick: int, block_hash: int) -> Node:
         self._kv.incref(block)
         self._node_serial += 1
-        node = child_of(
-            parent,
-            key=key,
-            block=block,
-            serial=self._node_serial,
-            tick=tick,
-            block_hash=block_hash,
-            state=_CACHED,
+        t = self._nodes
+        node = t.new(
+            parent, key, block, self._node_serial, tick, block_hash, _CACHED, t.namespace[parent]
         )
-        parent.attach_child(key, node)
+        t.attach_child(parent, key, node)
         self._evictor.adopt(node)
         # No state changes: the parent is a root or on the committing sequence's
         # path (held, so `cached` or `pinned` with or without children), and the
@@ -827,8 +881,9 @@ class BlockTrie:
             self._check_live(seq)
             self._clock += 1
             tick = self._clock
+            ticks = self._nodes.tick
             for node in seq.path:
-                node.tick = tick  # [R8]; held by seq, so in no index while it changes
+                ticks[node] = tick  # [R8]; held by seq, so in no index while it changes
             self._drop(seq)
         finally:
             self._gate.release()
@@ -908,10 +963,10 @@ class BlockTrie:
     def _cut_failed_loads(self, nodes: list[Node]) -> None:
         """A load failed ([R50]): every live request whose path reads one of `nodes`
         loses its path from there and can only be released or aborted."""
-        failed = set(map(id, nodes))
+        failed = set(nodes)
         for seq in self._live.values():
             for i, node in enumerate(seq.path):
-                if id(node) in failed:
+                if node in failed:
                     del seq.path[i:]
                     seq.load_failed = True
                     break
@@ -954,9 +1009,10 @@ class BlockTrie:
                     self._evictor.write_back = self._write_back
                 if self._host is not None:
                     self._host.evict(self._host_pool.capacity)
+                anchored = self._nodes.checkpoint
                 for root in self._roots.values():
-                    if root.checkpoint is not None:
-                        self._checkpoints.drop(root.checkpoint, CheckpointTrigger.EVICT)
+                    if root in anchored:
+                        self._checkpoints.drop(anchored[root], CheckpointTrigger.EVICT)
                         self.stats.evicted_checkpoints += 1
             self._events.cleared()
         finally:
@@ -1007,7 +1063,7 @@ class BlockTrie:
             anchor = seq.path[depth - 1] if depth else root
             tail = tuple(seq.token_list[depth * size : step])
             tail_extra = block_identity(seq.extra, depth) if rem else None
-            old = anchor.checkpoint if anchor is not None else None
+            old = self._nodes.checkpoint.get(anchor) if anchor is not None else None
             stats = self.stats
             if old is not None:
                 same = old.step == step and old.tail == tail and old.tail_extra == tail_extra
@@ -1067,7 +1123,7 @@ class BlockTrie:
                 self._checkpoints.unpin(copy.receipts[0])
                 self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
                 if new_root:
-                    del self._roots[seq.namespace]
+                    self._nodes.release(self._roots.pop(seq.namespace))
                 if old is not None:  # [R38]: lost with its slot's data, so counted
                     stats.evicted_checkpoints += 1
                 self._clock -= 1

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cache import BlockTrie, CacheConfig, ManualCopies
-from cache.node import Node
+from cache.node import NO_NODE, Node
 from spec.snapshot import Snapshot
 
 
@@ -90,12 +90,71 @@ def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def detached_node(
-    key: Any = None, *, serial: int = 0, block: int = -1, namespace: str = "", **fields: Any
-) -> Node:
-    """A `Node` outside any trie (a root by default), for tests of the record itself."""
-    values: dict[str, Any] = {"tick": 0, "block_hash": 0, "state": "root", **fields}
-    return Node(parent=None, key=key, block=block, namespace=namespace, serial=serial, **values)
+class NodeRef:
+    """A test's handle on one node of a trie: reads (and, to corrupt on purpose,
+    writes) the node's columns in the trie's `cache.node.NodeTable` by name.
+    `id` is the node itself, as the trie's modules take it."""
+
+    _COLUMNS = ("block", "host", "tick", "serial", "block_hash", "state", "residency", "namespace")
+
+    def __init__(self, trie: BlockTrie, node: Node) -> None:
+        object.__setattr__(self, "table", trie._nodes)
+        object.__setattr__(self, "trie", trie)
+        object.__setattr__(self, "id", node)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in NodeRef._COLUMNS:
+            return getattr(self.table, name)[self.id]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "parent":
+            object.__setattr__(self, name, value)  # the property
+        elif name in NodeRef._COLUMNS:
+            getattr(self.table, name)[self.id] = value
+        else:
+            raise AttributeError(name)
+
+    def _get_parent(self) -> NodeRef | None:
+        parent = self.table.parent[self.id]
+        return None if parent == NO_NODE else NodeRef(self.trie, parent)
+
+    def _set_parent(self, value: NodeRef | None) -> None:
+        self.table.parent[self.id] = NO_NODE if value is None else value.id
+
+    parent = property(_get_parent, _set_parent)
+
+    @property
+    def checkpoint(self) -> Any:
+        return self.table.checkpoint.get(self.id)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self.table.tokens_of(self.id))
+
+    @property
+    def key(self) -> Any:
+        return self.table.key(self.id)
+
+    def child_nodes(self) -> list[NodeRef]:
+        return [NodeRef(self.trie, n) for n in self.table.child_nodes(self.id)]
+
+    def child_count(self) -> int:
+        return int(self.table.child_count(self.id))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NodeRef) and (other.table, other.id) == (self.table, self.id)
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return str(self.table.describe(self.id))
+
+
+def root_of(trie: BlockTrie, namespace: str = "") -> NodeRef:
+    """A handle on `trie`'s root of `namespace`."""
+    return NodeRef(trie, trie._roots[namespace])
 
 
 def spy_gather_ops(monkeypatch: Any) -> list[str]:

@@ -19,7 +19,7 @@ from cache import (
     PinError,
     Sequence,
 )
-from tests.helpers import empty_state, frozen, ssm_trie, state
+from tests.helpers import empty_state, frozen, root_of, ssm_trie, state
 
 PROMPT = [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]  # two full blocks of 4 and a partial one
 
@@ -63,9 +63,9 @@ def test_evicting_a_pinned_node_is_an_illegal_transition() -> None:
     seq = _prefill(trie, [1, 1, 1, 1, 9])
     trie.save(seq, 4, state(1.0))
     trie.release(seq)
-    node = trie._roots[""].child_nodes()[0]
+    node = root_of(trie).child_nodes()[0]
     with pytest.raises(IllegalTransition):
-        trie._evictor._free(node)  # what lmdeploy's eviction did
+        trie._evictor._free(node.id)  # what lmdeploy's eviction did
     trie.check()
 
 

@@ -30,8 +30,8 @@ from cache.events import (
     BlockStored,
 )
 from cache.keys import pack_tokens
-from cache.node import Node
-from tests.helpers import detached_node, kv_trie, ssm_trie, state
+from cache.node import NO_BLOCK, NO_NODE, Node, NodeTable
+from tests.helpers import kv_trie, ssm_trie, state
 
 pytest.importorskip("xxhash")  # events on: the block hasher needs the `events` extra
 
@@ -104,22 +104,38 @@ def test_muted_log_publishes_no_checkpoint() -> None:
     trie.commit(seq, 6)
     trie.save(seq, 6, state(1.0))
     trie.drain_events()
-    checkpoint = seq.path[0].checkpoint
+    checkpoint = trie._nodes.checkpoint.get(seq.path[0])
     assert checkpoint is not None
     with trie._events.muted():
         trie._events.checkpoint_published(checkpoint, 4)
     assert trie.drain_events() == []
 
 
-def _node(namespace: str, block: int) -> Node:
-    return detached_node(
-        b"", serial=block, block=block, namespace=namespace, block_hash=100 + block, state="x"
+def _log(enabled: bool = True) -> EventLog:
+    """A log with a node table of its own (blocks of 2 tokens)."""
+    log = EventLog(enabled)
+    log.nodes = NodeTable(2, 4)
+    return log
+
+
+def _node(log: EventLog, namespace: str, block: int, host: int = NO_BLOCK) -> Node:
+    """A detached node of `log`'s table: block `block`, hash `100 + block`."""
+    assert log.nodes is not None
+    node = log.nodes.new(
+        NO_NODE, pack_tokens([block, block]), block, block, 0, 100 + block, "x", namespace
     )
+    log.nodes.host[node] = host
+    return node
+
+
+def _removed(namespace: str, block: int) -> tuple[int, int, str]:
+    """An evicted block as `EventLog.removed` takes it (hash `100 + block`)."""
+    return (100 + block, block, namespace)
 
 
 def test_removed_emits_one_event_per_run_of_one_namespace() -> None:
-    log = EventLog(True)
-    nodes = [_node("", 1), _node("", 2), _node("t", 3), _node("", 4)]
+    log = _log()
+    nodes = [_removed("", 1), _removed("", 2), _removed("t", 3), _removed("", 4)]
     log.removed(nodes)
     assert log.drain() == [
         BlockRemoved((101, 102), (1, 2), ""),
@@ -131,12 +147,12 @@ def test_removed_emits_one_event_per_run_of_one_namespace() -> None:
 
 
 def test_a_disabled_or_muted_log_emits_no_removal() -> None:
-    off = EventLog(False)
-    off.removed([_node("", 1)])
+    off = _log(False)
+    off.removed([_removed("", 1)])
     assert off.drain() == []
-    log = EventLog(True)
+    log = _log()
     with log.muted():
-        log.removed([_node("", 1)])
+        log.removed([_removed("", 1)])
     assert log.drain() == []
     assert log.enabled
 
@@ -203,8 +219,8 @@ def test_root_hash_is_zero_with_events_off() -> None:
 
 def test_removed_from_one_namespace_is_one_event_naming_it() -> None:
     """The one-namespace fast path names the namespace (not None, not the default)."""
-    log = EventLog(True)
-    log.removed([_node("t", 1), _node("t", 2)])
+    log = _log()
+    log.removed([_removed("t", 1), _removed("t", 2)])
     assert log.drain() == [BlockRemoved((101, 102), (1, 2), "t")]
 
 
@@ -220,29 +236,23 @@ def test_a_commit_announces_full_attention_blocks_in_the_device_tier() -> None:
     assert event.lora_id is None
 
 
-def _host_node(namespace: str, block: int, host: int) -> Node:
-    node = _node(namespace, block)
-    node.host = host
-    return node
-
-
 def test_host_removals_name_hash_host_block_and_namespace() -> None:
-    log = EventLog(True)
-    log.host_removed([_host_node("t", 1, 7), _host_node("", 2, 8)])
+    log = _log()
+    log.host_removed([_node(log, "t", 1, 7), _node(log, "", 2, 8)])
     assert log.drain() == [
         BlockRemoved((101,), (7,), "t", MEDIUM_CPU),
         BlockRemoved((102,), (8,), "", MEDIUM_CPU),
     ]
-    off = EventLog(False)
-    off.host_removed([_host_node("", 1, 7)])
+    off = _log(False)
+    off.host_removed([_node(off, "", 1, 7)])
     assert off.drain() == []
 
 
 def test_drained_host_events_still_count() -> None:
-    log = EventLog(True)
-    stored = [_host_node("", 1, 7), _host_node("", 2, 8)]
+    log = _log()
+    stored = [_node(log, "", 1, 7), _node(log, "", 2, 8)]
     log.host_stored(stored)
-    log.back_on_device([_node("", 3)])  # a device event: not a host block
+    log.back_on_device([_node(log, "", 3)])  # a device event: not a host block
     log.drain()
     assert log.replayed_host_blocks() == {7, 8}
     log.host_removed(stored[:1])
@@ -251,28 +261,31 @@ def test_drained_host_events_still_count() -> None:
     assert log.replayed_host_blocks() == {8}
 
 
-def _chain(namespace: str) -> tuple[Node, Node]:
+def _chain(log: EventLog, namespace: str) -> tuple[Node, Node]:
     """A block under a root and a block with an extra identity under it."""
-    root = detached_node(namespace=namespace, block_hash=50)
-    first = Node(parent=root, key=pack_tokens([1, 2]), block=1, namespace=namespace,
-                 serial=1, tick=0, block_hash=101, state="x")  # fmt: skip
-    second = Node(parent=first, key=(pack_tokens([3, 4]), "img"), block=2,
-                  namespace=namespace, serial=2, tick=0, block_hash=102, state="x")  # fmt: skip
-    first.host, second.host = 7, 8
+    t = log.nodes
+    assert t is not None
+    root = t.new(NO_NODE, None, NO_BLOCK, -1, 0, 50, "root", namespace)
+    first = t.new(root, pack_tokens([1, 2]), 1, 1, 0, 101, "x", namespace)
+    second = t.new(first, (pack_tokens([3, 4]), "img"), 2, 2, 0, 102, "x", namespace)
+    t.host[first], t.host[second] = 7, 8
     return first, second
 
 
 @pytest.mark.parametrize("namespace", ["", "tenant"])
 def test_blocks_moving_between_tiers_are_announced_in_full(namespace: str) -> None:
-    first, second = _chain(namespace)
-    log = EventLog(True)
+    log = _log()
+    first, second = _chain(log, namespace)
     log.host_stored([first, second])
     log.back_on_device([second])
+    t = log.nodes
+    assert t is not None
 
     def event(node: Node, block: int, parent: int | None, medium: str) -> BlockStored:
-        keys = (extra_keys(node.extra, namespace),) if namespace or node.extra else None
-        return BlockStored((node.block_hash,), (block,), parent, node.tokens, 2, namespace,
-                           medium, KV_GROUP, KIND_FULL_ATTENTION, keys)  # fmt: skip
+        extra = t.extra_of(node)
+        keys = (extra_keys(extra, namespace),) if namespace or extra else None
+        return BlockStored((t.block_hash[node],), (block,), parent, t.tokens_of(node), 2,
+                           namespace, medium, KV_GROUP, KIND_FULL_ATTENTION, keys)  # fmt: skip
 
     assert log.drain() == [
         event(first, 7, None, MEDIUM_CPU),
@@ -282,8 +295,8 @@ def test_blocks_moving_between_tiers_are_announced_in_full(namespace: str) -> No
 
 
 def test_a_freed_device_block_names_its_namespace() -> None:
-    first, _ = _chain("tenant")
-    log = EventLog(True)
+    log = _log()
+    first, _ = _chain(log, "tenant")
     log.removed_blocks(first, 1)
     assert log.drain() == [BlockRemoved((101,), (1,), "tenant")]
 

@@ -17,14 +17,15 @@ import pytest
 import torch
 
 from cache import BlockTrie, CacheConfig, IllegalTransition, ManualCopies, OutOfBlocks, Sequence
-from cache.node import NO_BLOCK, Node
+from cache.keys import pack_tokens
+from cache.node import NO_BLOCK, NO_NODE
 from spec.errors import InvariantViolation
 from spec.lifecycle import NODE, NodeState, NodeTrigger, Residency
-from tests.helpers import detached_node, frozen, ssm_trie, state
+from tests.helpers import NodeRef, frozen, root_of, ssm_trie, state
 
 
 def _refused_changing_nothing(
-    trie: BlockTrie, step: Callable[[], object], transition: tuple[str, str, str], node: Node
+    trie: BlockTrie, step: Callable[[], object], transition: tuple[str, str, str], node: NodeRef
 ) -> None:
     """`step()` raises the spec's `IllegalTransition` for `transition` (machine,
     trigger, state), naming `node`, and leaves the trie as it was."""
@@ -104,12 +105,12 @@ def test_a_parent_is_reclaimable_once_all_its_children_are() -> None:
     trie.check()
 
 
-def _inner_and_pinned(trie: BlockTrie) -> tuple[Node, Node]:
+def _inner_and_pinned(trie: BlockTrie) -> tuple[NodeRef, NodeRef]:
     """A cached inner node (no checkpoint) and a pinned leaf (its save in flight)."""
     seq = _prefill(trie, [1] * 8 + [9])
     trie.save(seq, 8, state(1.0))  # ManualCopies: the copy's pin stays
     trie.release(seq)
-    inner = trie._roots[""].child_nodes()[0]
+    inner = root_of(trie).child_nodes()[0]
     (leaf,) = inner.child_nodes()
     return inner, leaf
 
@@ -122,17 +123,19 @@ def test_freeing_a_node_that_is_not_evictable_is_the_node_lifecycles_error() -> 
     assert (inner.state, leaf.state) == ("cached", "pinned")
     for node in (inner, leaf):
         _refused_changing_nothing(
-            trie, partial(trie._evictor._free, node), ("node", "free", node.state), node
+            trie, partial(trie._evictor._free, node.id), ("node", "free", node.state), node
         )
 
 
 def test_an_evictable_node_without_a_parent_is_a_topology_violation() -> None:
     trie, _ = ssm_trie()
-    orphan = detached_node(b"k", serial=7, block=0, state=NodeState.EVICTABLE.value)
+    orphan = trie._nodes.new(
+        NO_NODE, pack_tokens([1, 2, 3, 4]), 0, 7, 0, 0, NodeState.EVICTABLE.value, ""
+    )
     with pytest.raises(InvariantViolation) as info:
         trie._evictor._free(orphan)
     assert info.value.invariant == "topology"
-    assert info.value.detail == f"evictable {orphan!r} has no parent"
+    assert info.value.detail == f"evictable {trie._nodes.describe(orphan)} has no parent"
 
 
 def test_an_evicted_node_is_left_freed_and_detached() -> None:
@@ -140,7 +143,7 @@ def test_an_evicted_node_is_left_freed_and_detached() -> None:
     node lifecycle's final state and no parent."""
     trie, _ = ssm_trie()
     trie.release(_prefill(trie, [1] * 8 + [9]))
-    inner = trie._roots[""].child_nodes()[0]
+    inner = root_of(trie).child_nodes()[0]
     (leaf,) = inner.child_nodes()
     assert trie.evict(2) == 2
     for node in (inner, leaf):
@@ -180,7 +183,7 @@ def test_a_failed_load_gives_its_block_back_and_its_parent_is_a_device_leaf_agai
     load = trie.load(hit)
     assert load is not None
     trie.release(hit)  # the load keeps its references until it is reaped
-    (parent,) = [n for n in trie._roots[""].child_nodes() if n.child_count()]  # (1, 1)
+    (parent,) = [n for n in root_of(trie).child_nodes() if n.child_count()]  # (1, 1)
     assert parent.state == NodeState.CACHED.value  # its child is back on the device
     assert (trie.num_cached_blocks, trie.num_evictable_blocks) == (3, 1)
     copies.fail(load)
@@ -217,12 +220,12 @@ def test_a_write_back_holds_its_leaf_by_a_legal_share() -> None:
     assert NODE.table[(NodeTrigger.SHARE.value, NodeState.EVICTABLE.value)] == "cached"
 
 
-def _mirrored_leaf(trie: BlockTrie, copies: ManualCopies) -> Node:
+def _mirrored_leaf(trie: BlockTrie, copies: ManualCopies) -> NodeRef:
     """An evictable leaf whose write-through store has finished (`mirrored`)."""
     trie.release(_prefill(trie, [1, 1, 9]))
     copies.complete_all()
     trie.poll()
-    (leaf,) = trie._roots[""].child_nodes()
+    (leaf,) = root_of(trie).child_nodes()
     assert (leaf.state, leaf.residency) == ("evictable", Residency.MIRRORED.value)
     return leaf
 
@@ -232,11 +235,11 @@ def test_offloading_a_leaf_with_no_host_copy_is_the_residency_lifecycles_error()
     spec's `offload` is illegal, the error names the node, and nothing changes."""
     trie, _ = _host_trie(host_write="back")
     trie.release(_prefill(trie, [1, 1, 9]))  # write-back: no store yet
-    (leaf,) = trie._roots[""].child_nodes()
+    (leaf,) = root_of(trie).child_nodes()
     assert (leaf.state, leaf.residency) == ("evictable", Residency.DEVICE.value)
     _refused_changing_nothing(
         trie,
-        lambda: trie._evictor._offload(leaf),
+        lambda: trie._evictor._offload(leaf.id),
         ("residency", "offload", leaf.residency),
         leaf,
     )
@@ -250,7 +253,7 @@ def test_offloading_a_leaf_in_use_is_the_node_lifecycles_error() -> None:
     seq = trie.match([1, 1, 9])
     assert leaf.state == NodeState.CACHED.value
     _refused_changing_nothing(
-        trie, lambda: trie._evictor._offload(leaf), ("node", "offload", "cached"), leaf
+        trie, lambda: trie._evictor._offload(leaf.id), ("node", "offload", "cached"), leaf
     )
     trie.release(seq)
     trie.check()
@@ -263,7 +266,7 @@ def test_offloading_without_a_host_tier_is_a_residency_violation() -> None:
     host, evictor.host = evictor.host, None
     before = frozen(trie.snapshot())
     with pytest.raises(InvariantViolation) as info:
-        evictor._offload(leaf)
+        evictor._offload(leaf.id)
     assert info.value.invariant == "residency"
     assert info.value.detail == f"{leaf!r} is offloaded without a host tier"
     evictor.host = host
@@ -324,7 +327,7 @@ def test_offloading_a_leaf_frees_its_checkpoints_frozen_tail_too() -> None:
     copies.complete_all()  # L's write-through store and the save
     trie.poll()
     trie.release(seq)
-    (leaf,) = trie._roots[""].child_nodes()
+    (leaf,) = root_of(trie).child_nodes()
     assert (leaf.state, leaf.residency) == ("evictable", Residency.MIRRORED.value)
     assert trie.num_free_blocks == 6
     block = leaf.block
@@ -359,7 +362,7 @@ def test_a_freed_block_has_no_owner_left_to_settle() -> None:
     trie, copies = ssm_trie(num_blocks=8)
     assert copies is not None
     trie.release(_prefill(trie, [1] * 4))
-    (leaf,) = trie._roots[""].child_nodes()
+    (leaf,) = root_of(trie).child_nodes()
     block = leaf.block
     assert trie.evict(1) == 1
     other = _hold_in_a_save_copy(trie, copies, block)
@@ -377,7 +380,7 @@ def test_write_back_stores_only_as_many_leaves_as_asked() -> None:
     assert trie.num_evictable_blocks == 3
     assert trie.evict(1) == 0  # its store is queued: freed when it finishes
     (store,) = copies.pending()
-    assert [n.block for n in store.nodes] == [0]  # the oldest leaf
+    assert [trie._nodes.block[n] for n in store.nodes] == [0]  # the oldest leaf
     assert (trie.num_evictable_blocks, trie.num_free_blocks) == (2, 5)
     copies.complete_all()
     assert trie.poll() == 1
@@ -429,16 +432,16 @@ def test_write_back_eviction_counts_the_stores_it_has_begun_toward_its_budget() 
     again = trie.match([1, 1, 2, 2, 9])  # holds M: it stays when its store finishes
     copies.complete_all()
     trie.poll()
-    parent = next(n for n in trie._roots[""].child_nodes() if n.child_count())
+    parent = next(n for n in root_of(trie).child_nodes() if n.child_count())
     (mirrored,) = parent.child_nodes()
     assert mirrored.residency == Residency.MIRRORED.value
-    (oldest,) = [n for n in trie._roots[""].child_nodes() if n is not parent]
+    (oldest,) = [n for n in root_of(trie).child_nodes() if n != parent]
     trie.release(device)  # D, older than M
     trie.release(again)
     assert trie.num_evictable_blocks == 2
     assert trie.evict(2) == 1  # M offloaded; D's store queued
     (store,) = copies.pending()
-    assert store.nodes == [oldest]
+    assert store.nodes == [oldest.id]
     assert mirrored.residency == Residency.HOST.value
     assert parent.state == NodeState.EVICTABLE.value
     copies.complete_all()
@@ -461,7 +464,7 @@ def test_write_back_eviction_counts_the_stores_finished_in_earlier_rounds() -> N
     trie.allocate(hit, 7)
     trie.commit(hit, 7)  # (3, 3) under it, on the device only
     trie.release(hit)
-    grand = trie._roots[""].child_nodes()[0]
+    grand = root_of(trie).child_nodes()[0]
     (mirrored,) = grand.child_nodes()
     assert mirrored.residency == Residency.MIRRORED.value
     assert trie.evict(2) == 2  # (3, 3) stored and offloaded, then (2, 2) offloaded

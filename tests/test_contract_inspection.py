@@ -15,8 +15,9 @@ def test_snapshot_carries_the_slots_checkpoint_events_replay_to() -> None:
     trie.allocate(seq, 6)
     trie.commit(seq, 6)
     trie.save(seq, 6, state(1.0))
-    assert seq.path[0].checkpoint is not None
-    slot = seq.path[0].checkpoint.slot
+    ck = trie._nodes.checkpoint.get(seq.path[0])
+    assert ck is not None
+    slot = ck.slot
     assert trie.snapshot()["event_checkpoint_slots"] == {slot}
     trie.drain_events()
     assert trie.snapshot()["event_checkpoint_slots"] == {slot}

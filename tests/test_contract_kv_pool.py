@@ -25,12 +25,12 @@ def test_a_failed_decref_all_takes_back_only_the_blocks_it_freed() -> None:
     before_refs, before_free = list(pool.refs), pool.free_ids()
     with pytest.raises(CacheError, match=rf"^KV pool: block {c} is already free"):
         pool.decref_all([a, c])  # a reaches 0 (freed) before the failure
-    assert pool.refs == before_refs and pool.free_ids() == before_free
+    assert list(pool.refs) == before_refs and pool.free_ids() == before_free
     pool.incref(b)  # b: 2
     before_refs, before_free = list(pool.refs), pool.free_ids()
     with pytest.raises(CacheError, match=rf"^KV pool: block {c} is already free"):
         pool.decref_all([b, c])  # b drops to 1 (still used) before the failure
-    assert pool.refs == before_refs and pool.free_ids() == before_free
+    assert list(pool.refs) == before_refs and pool.free_ids() == before_free
 
 
 def test_a_one_block_pool_has_storage_for_its_block() -> None:
@@ -54,7 +54,7 @@ def test_a_zero_block_pool_has_no_storage_and_nothing_to_take() -> None:
     gives none, taking one is `OutOfBlocks` naming the counts."""
     pool = KVBlockPool(0, (3,), torch.float32, torch.device("cpu"), Faults())
     assert pool.tensor is None and pool.view(0) is None
-    assert pool.capacity == 0 and pool.num_free == 0 and pool.refs == []
+    assert pool.capacity == 0 and pool.num_free == 0 and list(pool.refs) == []
     assert pool.take(0) == []
     with pytest.raises(OutOfBlocks) as raised:
         pool.take(1)
@@ -69,7 +69,7 @@ def test_taking_a_negative_count_is_refused_before_anything_happens() -> None:
     with pytest.raises(ValueError) as raised:
         pool.take(-1)
     assert str(raised.value) == "KV pool: cannot take -1 blocks"
-    assert pool.num_free == 3 and pool.refs == [0, 0, 0]
+    assert pool.num_free == 3 and list(pool.refs) == [0, 0, 0]
     assert faults.count == 0 and faults.points == []
     assert pool.take(1) == [0]
 
@@ -78,7 +78,7 @@ def test_taking_every_free_block_at_once_succeeds() -> None:
     """`take(n)` with exactly `n` blocks free hands them all out, lowest id first."""
     pool = _pool(3)
     assert pool.take(3) == [0, 1, 2]
-    assert pool.num_free == 0 and pool.refs == [1, 1, 1]
+    assert pool.num_free == 0 and list(pool.refs) == [1, 1, 1]
 
 
 def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
@@ -100,4 +100,4 @@ def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
         pool.incref_all([b, a])
     with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is already free"):
         pool.decref_all([b, a])
-    assert pool.refs == [0, 1] and pool.free_ids() == [a]
+    assert list(pool.refs) == [0, 1] and pool.free_ids() == [a]

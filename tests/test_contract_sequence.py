@@ -5,13 +5,12 @@ from __future__ import annotations
 from cache.node import Checkpoint
 from cache.sequence import PinReceipt, Sequence
 from spec.lifecycle import ReceiptState
-from tests.helpers import detached_node, empty_state, ssm_trie, state
+from tests.helpers import empty_state, ssm_trie, state
 
 
 def _checkpoint(step: int) -> Checkpoint:
-    root = detached_node()
     return Checkpoint(
-        anchor=root,
+        anchor=0,
         step=step,
         tail=(1,) * step,
         tail_extra=None,

@@ -30,6 +30,7 @@ from cache import (
 from cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, replay
 from spec.invariants import rollback
 from spec.lifecycle import NodeState, Residency
+from tests.helpers import NodeRef, root_of
 
 B = 2
 
@@ -709,8 +710,8 @@ def test_host_eviction_leaves_the_node_freed_and_detached() -> None:
     trie, _ = host_trie()
     serve(trie, A)
     trie.evict(3)
-    root = trie._roots[""]
-    leaf = root.children.children.children  # type: ignore[union-attr]
+    root = root_of(trie)
+    leaf = root.child_nodes()[0].child_nodes()[0].child_nodes()[0]
     assert leaf.state == NodeState.OFFLOADED.value
     assert trie.evict_host(1) == 1
     assert leaf.state == NodeState.FREED.value and leaf.parent is None
@@ -766,7 +767,7 @@ def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
     trie, _ = host_trie()
     serve(trie, A)
     trie.evict(3)
-    leaf = trie._host.index.oldest()  # type: ignore[union-attr]
+    leaf = NodeRef(trie, trie._host.index.oldest())  # type: ignore[union-attr]
     trie._host_pool.refs[leaf.host] += 1  # a reference nobody owns
     with pytest.raises(InvariantViolation, match=r"host conservation.*still held") as held:
         trie.evict_host(1)
@@ -774,7 +775,7 @@ def test_host_eviction_guards_name_the_invariant_and_the_node() -> None:
     trie2, _ = host_trie()
     serve(trie2, A)
     trie2.evict(3)
-    leaf2 = trie2._host.index.oldest()  # type: ignore[union-attr]
+    leaf2 = NodeRef(trie2, trie2._host.index.oldest())  # type: ignore[union-attr]
     leaf2.parent = None  # an attached node without a parent
     with pytest.raises(InvariantViolation, match=r"topology.*has no parent") as orphan:
         trie2.evict_host(1)
@@ -792,7 +793,7 @@ def test_the_cascade_guard_names_a_device_block_below_a_device_leaf() -> None:
     trie.evict_host(2)
     serve(trie, [1, 1, 2, 2, 9])
     assert trie.evict(1) == 1  # (2, 2) offloaded: (1, 1) is a device leaf now
-    parent = trie._roots[""].child_nodes()[0]
+    parent = root_of(trie).child_nodes()[0]
     (below,) = parent.child_nodes()
     below.state = NodeState.CACHED.value  # as if it still owned a device block
     with pytest.raises(InvariantViolation, match=r"residency.*below a device leaf") as err:

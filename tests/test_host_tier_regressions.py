@@ -255,7 +255,8 @@ def host_index_ignores_readers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None
 
     def settle(self: HostTier, node: Node) -> None:
         original(self, node)
-        if node.state == "offloaded" and not node.child_count() and node not in self.index:
+        t = self.nodes
+        if t.state[node] == "offloaded" and t.is_leaf(node) and node not in self.index:
             self.index.add(node)
 
     with monkeypatch.context() as patch:
@@ -293,7 +294,7 @@ def load_not_shared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         self: BlockTrie, seq: object, own: list[Node], shared: list[Node], pending: list[Copy]
     ) -> Copy | None:
         for node in shared:
-            self._kv.decref(node.block)  # as if the block were taken over again
+            self._kv.decref(self._nodes.block[node])  # as if the block were taken over again
         return original(self, seq, own, shared, pending)  # type: ignore[arg-type]
 
     with monkeypatch.context() as patch:
@@ -308,7 +309,7 @@ def room_before_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def blocks_for_load(self: BlockTrie, shared: list[Node], need: int) -> list[int]:
         self._evictor.make_room(need)
         blocks = self._kv.take(need)
-        self._kv.incref_all([node.block for node in shared])
+        self._kv.incref_all([self._nodes.block[node] for node in shared])
         for node in shared:
             self._evictor.settle(node)
         return blocks

@@ -24,7 +24,7 @@ from cache.keys import (
     unpack_tokens,
 )
 from cache.validation import token_list
-from tests.helpers import kv_trie, serve
+from tests.helpers import kv_trie, root_of, serve
 
 EDGES = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
 TOKEN = st.one_of(st.sampled_from(EDGES), st.integers(0, 2**64 - 1), st.integers(0, 2**17))
@@ -74,11 +74,13 @@ def test_narrow_block_is_shared_with_a_request_holding_wide_tokens() -> None:
 
 
 def test_cached_blocks_keep_no_caller_ints() -> None:
-    """Nodes keep packed bytes, not the caller's int objects."""
+    """Nodes keep their token ids packed in the table's token column, not the caller's
+    int objects (nor a key object of their own)."""
     trie = kv_trie(num_blocks=8, block_size=2)
     serve(trie, [1000, 2000, 3000, 4000, 1])
-    root = trie._roots[""]
+    root = root_of(trie)
     child = root.child_nodes()[0]
+    assert child.id not in trie._nodes.wide
     assert isinstance(child.key, bytes)
     assert child.tokens == (1000, 2000)
 

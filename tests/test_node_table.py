@@ -1,0 +1,185 @@
+"""`cache.node.NodeTable`: nodes as rows of columns.
+
+The children of a node have two shapes (the only child in `child[node]`, or
+a dict in `kids[node]` for two or more and for every root); under any order
+of attach and detach they behave as one mapping from key to child, found by
+an *equal* key (not only the identical object). Plain keys live in the
+`tokens` column and are compared there; any other key (an extra identity, a
+64-bit id, an injected key hash) is kept whole in `wide` and compared with
+`==`, so a plain key never matches it, nor it a plain key. Rows are reused
+after `release`, and the table grows in place when every row is taken.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache.keys import HashedKey, pack_tokens
+from cache.node import MANY, NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable
+from tests.helpers import ssm_trie, state
+
+B = 2  # block size: plain keys are 8 bytes
+
+
+def _table(capacity: int = 4) -> tuple[NodeTable, Node]:
+    table = NodeTable(B, capacity)
+    root = table.new(NO_NODE, None, NO_BLOCK, -1, 0, 0, "root", "")
+    return table, root
+
+
+def _child(table: NodeTable, parent: Node, key: object, serial: int) -> Node:
+    node = table.new(parent, key, serial, serial, 0, 0, "cached", table.namespace[parent])
+    table.attach_child(parent, key, node)
+    return node
+
+
+def _link(table: NodeTable, parent: Node) -> Node:
+    """A non-root node under `parent` (roots keep a dict even for one child)."""
+    return _child(table, parent, pack_tokens([9, 9]), 100)
+
+
+KEYS = [pack_tokens([1, 2]), pack_tokens([3, 4]), pack_tokens([1, 3]), pack_tokens([2, 1])]
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(range(len(KEYS)))), max_size=40))
+def test_children_shapes_behave_as_one_mapping(ops: list[tuple[bool, int]]) -> None:
+    table, root = _table()
+    parent = _link(table, root)
+    model: dict[bytes, Node] = {}
+    for serial, (attach, k) in enumerate(ops, 1):
+        key = KEYS[k]
+        if attach and key not in model:
+            model[key] = _child(table, parent, key, serial)
+        elif not attach and key in model:
+            table.detach_child(parent, model.pop(key))
+        # the shape: a leaf, the only child in `child`, or a dict of two or more
+        if not model:
+            assert table.child[parent] == NO_CHILD and parent not in table.kids
+        elif len(model) == 1:
+            assert table.child[parent] == next(iter(model.values()))
+            assert parent not in table.kids
+        else:
+            assert table.child[parent] == MANY and len(table.kids[parent]) >= 2
+        assert table.child_count(parent) == len(model)
+        assert table.is_leaf(parent) == (not model)
+        assert table.child_nodes(parent) == list(model.values())  # attach order
+        for key in KEYS:
+            assert table.child_of(parent, key) == model.get(key, NO_NODE)
+            equal = bytes(bytearray(key))  # an equal key, another object
+            assert table.child_of(parent, equal) == model.get(key, NO_NODE)
+
+
+def test_a_root_keeps_its_dict_for_one_child_and_for_none() -> None:
+    table, root = _table()
+    assert table.child[root] == MANY and table.kids[root] == {}
+    assert table.is_leaf(root) and table.child_count(root) == 0
+    one = _child(table, root, KEYS[0], 1)
+    two = _child(table, root, KEYS[1], 2)
+    table.detach_child(root, two)
+    assert table.child[root] == MANY and table.kids[root] == {KEYS[0]: one}
+    table.detach_child(root, one)
+    assert table.kids[root] == {}
+
+
+def test_detaching_a_node_that_is_not_a_child_raises_and_changes_nothing() -> None:
+    table, root = _table()
+    parent = _link(table, root)
+    with pytest.raises(KeyError):
+        table.detach_child(parent, 3)  # a leaf
+    only = _child(table, parent, KEYS[0], 1)
+    stranger = _child(table, root, KEYS[1], 2)
+    with pytest.raises(KeyError):
+        table.detach_child(parent, stranger)
+    assert table.child[parent] == only
+    _child(table, parent, KEYS[2], 3)
+    with pytest.raises(KeyError):
+        table.detach_child(parent, stranger)
+    assert table.child_count(parent) == 2
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        (pack_tokens([1, 2]), b"\x01\x00\x00\x00\x02\x00\x00\x00"),  # identity: bytes
+        (pack_tokens([1, 2]), "img"),
+        pack_tokens([1, 1 << 40]),  # a 64-bit id: another packing
+        HashedKey(pack_tokens([1, 2]), 7),
+    ],
+    ids=["bytes-identity", "str-identity", "wide-ids", "hashed"],
+)
+def test_a_wide_key_is_kept_whole_and_never_equals_a_plain_key(key: object) -> None:
+    table, root = _table()
+    parent = _link(table, root)
+    node = _child(table, parent, key, 1)
+    assert table.wide[node] == key
+    assert table.key(node) == key
+    assert table.child_of(parent, key) == node
+    assert table.child_of(parent, pack_tokens([1, 2])) == NO_NODE
+    assert not table.has_key(node, pack_tokens([1, 2]))
+    plain = _child(table, root, pack_tokens([1, 2]), 2)
+    assert not table.has_key(plain, key)  # a tuple of bytes is not a prefix list
+    assert table.tokens_of(node) in ((1, 2), (1, 1 << 40))
+
+
+def test_a_row_reads_back_what_new_wrote_and_is_reused_after_release() -> None:
+    table, root = _table(capacity=2)
+    assert (table.key(root), table.tokens_of(root), table.extra_of(root)) == (None, (), None)
+    assert table.is_root(root)
+    node = table.new(root, (pack_tokens([5, 6]), "e"), 3, 4, 5, 6, "cached", "ns")
+    assert (table.parent[node], table.block[node], table.serial[node]) == (root, 3, 4)
+    assert (table.tick[node], table.block_hash[node], table.state[node]) == (5, 6, "cached")
+    assert (table.namespace[node], table.host[node], table.residency[node]) == (
+        "ns",
+        NO_BLOCK,
+        "device",
+    )
+    assert (table.tokens_of(node), table.extra_of(node)) == ((5, 6), "e")
+    assert node not in table.checkpoint and table.child[node] == NO_CHILD
+    assert table.num_used == 2
+    table.release(node)
+    assert node not in table.wide and table.state[node] == "freed"
+    assert table.num_used == 1
+    again = table.new(root, pack_tokens([7, 8]), 1, 9, 0, 0, "cached", "")
+    assert again == node and again not in table.wide
+    assert table.tokens_of(again) == (7, 8)
+
+
+def test_the_table_grows_in_place_when_every_row_is_taken() -> None:
+    table, root = _table(capacity=1)
+    columns = (table.parent, table.tick, table.serial, table.tokens)
+    nodes = [_child(table, root, pack_tokens([i, i]), i + 1) for i in range(20)]
+    assert table.capacity >= 21 and len(set(nodes)) == 20 and root not in nodes
+    after = (table.parent, table.tick, table.serial, table.tokens)
+    assert all(a is b for a, b in zip(columns, after, strict=True))
+    assert [table.tokens_of(n) for n in nodes] == [(i, i) for i in range(20)]
+    assert all(table.child_of(root, pack_tokens([i, i])) == n for i, n in enumerate(nodes))
+
+
+def test_a_node_prints_as_its_serial_namespace_block_and_state() -> None:
+    table, root = _table()
+    node = _child(table, root, KEYS[0], 7)
+    assert table.describe(node) == "<Node #7 ns='' block=7 cached>"
+    assert str(table.named(node)) == table.describe(node)
+
+
+def test_a_checkpoint_keeps_its_tail_identity_and_only_that_identity_hits_it() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    assert copies is not None
+    seq = trie.match([1, 2, 3, 4, 5, 6], extra=("a", "b"))
+    trie.allocate(seq, 6)
+    trie.commit(seq, 6)
+    trie.save(seq, 6, state(1.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    (view,) = trie.snapshot()["checkpoints"].values()
+    assert (view["tail"], view["tail_extra"]) == ((5, 6), "b")
+    other = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "c"))
+    assert other.restore is None
+    trie.abort(other)
+    same = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "b"))
+    assert same.restore is not None and same.restore.step == 6
+    trie.abort(same)
+    trie.check()
