@@ -26,7 +26,7 @@ checkpoint except by evicting it through the `CheckpointStore`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cache.event_log import EventLog
@@ -146,10 +146,12 @@ class Evictor:
 
     # ------------------------------------------------------------ lifecycle
 
-    def adopt(self, node: Node) -> None:
-        """`node` was just attached owning its block (state `cached`)."""
-        self.owner[self.nodes.block[node]] = node
-        self.num_cached += 1
+    def adopt_all(self, nodes: list[Node], blocks: list[int]) -> None:
+        """`nodes` were just attached owning `blocks` (state `cached`)."""
+        owner = self.owner
+        for node, block in zip(nodes, blocks, strict=True):
+            owner[block] = node
+        self.num_cached += len(nodes)
 
     def settle(self, node: Node) -> None:
         """Move `node` to the state its facts imply, through the spec's routes."""
@@ -264,32 +266,30 @@ class Evictor:
         pending = 0  # to be freed by write-back stores still in flight
         t = self.nodes
         state = t.state
-        tick = t.tick
-        serial = t.serial
+        ticks = t.tick
+        serials = t.serial
+        parents = t.parent
+        residency = t.residency
         index = self.index
         removed: list[tuple[int, int, str]] | None = [] if self._events.enabled else None
+        tiered = self.host is not None  # else every node is `device`
+        write_back = self.write_back
         backing: list[Node] = []
-        freeing: list[Node] = []  # rows released once the round's events are recorded
         while True:
             while freed + written + pending + len(backing) < n and index:
                 node = index.oldest()
                 index.remove(node)
                 while True:
-                    parent = t.parent[node]
-                    if (
-                        self.write_back
-                        and t.residency[node] == _DEVICE
-                        and self._begin_write_back(node)
-                    ):
+                    parent = parents[node]
+                    if tiered and residency[node] != _DEVICE:
+                        freed += self._offload(node)
+                    elif write_back and self._begin_write_back(node):
                         backing.append(node)  # [R52]: freed when its store has finished
                         break
-                    if t.residency[node] != _DEVICE:
-                        freed += self._offload(node)
                     else:
                         if removed is not None:
                             removed.append((t.block_hash[node], t.block[node], t.namespace[node]))
                         freed += self._free(node)
-                        freeing.append(node)
                     if parent == NO_NODE or state[parent] == _ROOT:
                         break
                     dest = self._implied(parent)
@@ -299,11 +299,19 @@ class Evictor:
                         dest == _EVICTABLE
                         and freed + written + pending + len(backing) < n
                         and state[parent] != _EVICTABLE
-                        and (not index or _older(tick, serial, parent, index.oldest()))  # [R10]
                     ):
-                        state[parent] = dest
-                        node = parent
-                        continue
+                        if index:  # [R10]: only if older than every indexed leaf
+                            oldest = index.oldest()
+                            older = ticks[parent] < ticks[oldest] or (
+                                ticks[parent] == ticks[oldest]
+                                and serials[parent] < serials[oldest]
+                            )
+                        else:
+                            older = True
+                        if older:
+                            state[parent] = dest
+                            node = parent
+                            continue
                     self._enter(parent, dest)
                     break
             if not backing:
@@ -316,8 +324,6 @@ class Evictor:
             backing = []  # their parents may be evictable now: go on
         if removed:
             self._events.removed(removed)
-        for node in freeing:
-            t.release(node)
         self._stats.evicted_blocks += freed
         return freed + written, pending
 
@@ -353,9 +359,9 @@ class Evictor:
             self.settle(parent)
 
     def _free(self, node: Node) -> int:
-        """Detach `node`, a `device` evictable leaf already out of the index, and
-        release its block and checkpoint; returns the blocks freed. The caller
-        settles the parent and releases the node's row (`NodeTable.release`).
+        """Detach `node`, a `device` evictable leaf already out of the index, release
+        its block and checkpoint, and give its row back (`NodeTable.release`);
+        returns the blocks freed. The caller settles the parent.
 
         With a host tier, a leaf without a host copy takes the host-only nodes
         below it along ([R48]).
@@ -364,21 +370,26 @@ class Evictor:
         freed_state = _FREED_FROM.get(t.state[node])
         if freed_state is None:  # the spec's IllegalTransition, naming the node
             freed_state = NODE.step(_FREE, t.state[node], t.named(node))
-        if t.child[node] != NO_CHILD and self.host is not None:
+        child = t.child
+        if self.host is not None and child[node] != NO_CHILD:
             self.host.drop_below(node)
-        freed = self._drop_checkpoint(node)
+        freed = self._drop_checkpoint(node) if t.checkpoint else 0
         parent = t.parent[node]
         if parent == NO_NODE:
             raise InvariantViolation("topology", f"evictable {t.describe(node)} has no parent")
-        if t.child[parent] == node:  # its only child: `NodeTable.detach_child`, inlined
-            t.child[parent] = NO_CHILD
+        if child[parent] == node:  # its only child: `NodeTable.detach_child`, inlined
+            child[parent] = NO_CHILD
         else:
             t.detach_child(parent, node)
-        t.state[node] = freed_state
-        t.parent[node] = NO_NODE
         block = t.block[node]
         self.owner[block] = NO_NODE
         self.num_cached -= 1
+        # `NodeTable.release`, inlined: a `device` leaf needs only these reset.
+        t.state[node] = freed_state
+        t.parent[node] = NO_NODE
+        if t.wide:
+            t.wide.pop(node, None)
+        t.free_rows.append(node)
         if self._kv.decref(block):
             freed += 1
         return freed
@@ -502,11 +513,6 @@ class Evictor:
             if count >= limit:
                 break
         return count
-
-
-def _older(tick: Sequence[int], serial: Sequence[int], a: Node, b: Node) -> bool:
-    """Whether node `a` comes before node `b` in the index's order, `(tick, serial)`."""
-    return tick[a] < tick[b] or (tick[a] == tick[b] and serial[a] < serial[b])
 
 
 def _no_write_back(nodes: list[Node]) -> None:

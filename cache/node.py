@@ -14,7 +14,7 @@ the table holds state and the few operations that keep its links consistent
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, MutableSequence
+from collections.abc import Hashable, MutableSequence, Sequence
 
 from cache.keys import HashedKey, key_extra, key_tokens
 from spec.lifecycle import NodeState, Residency
@@ -82,12 +82,12 @@ class NodeTable:
     """
 
     __slots__ = (
-        "_free",
         "block",
         "block_hash",
         "capacity",
         "checkpoint",
         "child",
+        "free_rows",
         "host",
         "kids",
         "namespace",
@@ -110,7 +110,9 @@ class NodeTable:
         self.child = array("i")
         self.block = array("i")
         self.host = array("i")
-        self.tick = array("q")
+        # A list: the nodes one operation touches share its tick's `int` object, so
+        # it costs a pointer per node, and lists are read and written faster.
+        self.tick: list[int] = []
         self.serial = array("q")
         # uint64 unless a scheme chains on wider digests (vLLM's: 256 bits)
         self.block_hash: MutableSequence[int] = [] if wide_hashes else array("Q")
@@ -121,7 +123,7 @@ class NodeTable:
         self.kids: dict[Node, dict[Hashable, Node]] = {}
         self.wide: dict[Node, Hashable] = {}
         self.checkpoint: dict[Node, Checkpoint] = {}
-        self._free = array("i")
+        self.free_rows = array("i")
         self._grow(capacity)
 
     def _grow(self, more: int) -> None:
@@ -132,7 +134,7 @@ class NodeTable:
         self.child.extend(array("i", [NO_CHILD]) * more)
         self.block.extend(array("i", [NO_BLOCK]) * more)
         self.host.extend(array("i", [NO_BLOCK]) * more)
-        self.tick.extend(array("q", bytes(8 * more)))
+        self.tick.extend([0] * more)
         self.serial.extend(array("q", bytes(8 * more)))
         self.block_hash.extend([0] * more)
         self.state.extend([_FREE] * more)
@@ -141,7 +143,7 @@ class NodeTable:
         self.tokens.extend(bytes(self.width * more))
         # Popped from the end: lowest rows first, so a fresh trie fills them in order.
         # (Only called with no free row left.)
-        self._free.extend(array("i", range(new - 1, old - 1, -1)))
+        self.free_rows.extend(array("i", range(new - 1, old - 1, -1)))
         self.capacity = new
 
     # ------------------------------------------------------------ rows
@@ -149,7 +151,7 @@ class NodeTable:
     @property
     def num_used(self) -> int:
         """Rows holding a node (attached or root)."""
-        return self.capacity - len(self._free)
+        return self.capacity - len(self.free_rows)
 
     def new(
         self,
@@ -165,7 +167,7 @@ class NodeTable:
         """A fresh row for a node under `parent` (`NO_NODE` for a root, whose `key` is
         None), with these facts, `device` residency, no children and no host block;
         not linked into `parent`'s children (`attach_child` does that)."""
-        free = self._free
+        free = self.free_rows
         if not free:
             self._grow(self.capacity)
         node = free.pop()
@@ -188,18 +190,88 @@ class NodeTable:
             self.wide[node] = key
         return node
 
+    def new_chain(
+        self,
+        parent: Node,
+        keys: Sequence[Hashable],
+        start: int,
+        blocks: Sequence[int],
+        serial: int,
+        tick: int,
+        hashes: Sequence[int] | None,
+        state: str,
+    ) -> list[Node]:
+        """Rows for a chain of new nodes under `parent` (the commit hot path), linked
+        in: node `j` has key `keys[start + j]`, block `blocks[j]`, serial
+        `serial + j`, hash `hashes[j]` (0 when `hashes` is None: events off), and
+        is the only child of node `j - 1`
+        (the first one is `parent`'s newest child). Each is a leaf of `device`
+        residency with no host block, in `parent`'s namespace, at `tick`."""
+        count = len(blocks)
+        free = self.free_rows
+        if len(free) < count:
+            self._grow(max(self.capacity, count))
+        nodes = free[len(free) - count :].tolist()
+        del free[len(free) - count :]
+        nodes.reverse()  # lowest rows first, as `new` hands them out
+        namespace = self.namespace[parent]
+        parents = self.parent
+        child = self.child
+        block = self.block
+        ticks = self.tick
+        serials = self.serial
+        block_hash = self.block_hash
+        states = self.state
+        namespaces = self.namespace
+        tokens = self.tokens
+        width = self.width
+        wide = self.wide
+        prev = parent
+        # A free row is a leaf with no host block and `device` residency (`release`),
+        # and every hash is 0 with events off: only what differs is written.
+        for j, node in enumerate(nodes):
+            parents[node] = prev
+            block[node] = blocks[j]
+            ticks[node] = tick
+            serials[node] = serial + j
+            states[node] = state
+            namespaces[node] = namespace
+            key = keys[start + j]
+            if type(key) is bytes and len(key) == width:
+                at = node * width
+                tokens[at : at + width] = key
+            else:
+                wide[node] = key
+            if j:
+                child[prev] = node
+            prev = node
+        if hashes is not None:
+            for node, h in zip(nodes, hashes, strict=True):
+                block_hash[node] = h
+        self.attach_child(parent, keys[start], nodes[0])
+        return nodes
+
     def release(self, node: Node) -> None:
-        """Return `node`'s row (detached, childless, no checkpoint) for reuse."""
+        """Return `node`'s row (detached, no children left, no checkpoint) for reuse: it
+        reads as `freed` with no parent until it is handed out again, and is reset to
+        what `new_chain` expects of a free row (a leaf, no host block, `device`,
+        no wide key). Eviction's hot path (`Evictor._free`) does the same
+        inline for the device leaves it frees."""
         self.parent[node] = NO_NODE
-        self.child[node] = NO_CHILD
         self.state[node] = _FREE
-        self.wide.pop(node, None)
-        self.kids.pop(node, None)
-        self._free.append(node)
+        if self.child[node] != NO_CHILD:  # a root
+            self.child[node] = NO_CHILD
+            self.kids.pop(node, None)
+        if self.residency[node] != _DEVICE:
+            self.residency[node] = _DEVICE
+            self.host[node] = NO_BLOCK
+        if self.wide:
+            self.wide.pop(node, None)
+        self.free_rows.append(node)
 
     def used(self) -> list[Node]:
         """Every row holding a node, in id order (for inspection)."""
-        free = set(self._free)
+        free = set(self.free_rows)
         return [n for n in range(self.capacity) if n not in free]
 
     # ------------------------------------------------------------ keys

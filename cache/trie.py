@@ -353,32 +353,37 @@ class BlockTrie:
             self._roots[namespace] = root
         return root
 
-    def _walk(self, root: Node, keys: list[Hashable]) -> list[Node]:
+    def _walk(self, root: Node, keys: list[Hashable], plain: bool) -> list[Node]:
         """The nodes under `root` whose keys are `keys`' leading ones, in order ([R12]):
-        walks while a child with the exact key exists."""
+        walks while a child with the exact key exists. `plain`: every key is bytes
+        (no extra identity, no injected key hash)."""
         t = self._nodes
         only_child = t.child
         kids = t.kids
-        tokens = t.tokens
         width = t.width
         wide = t.wide
+        holds = t.tokens.startswith  # `holds(key, at, at + width)`: row's tokens == key
         path: list[Node] = []
         node = root
-        for key in keys:
-            child = only_child[node]  # `NodeTable.child_of`, inlined
-            if child >= 0:
-                if wide and child in wide:
-                    if wide[child] != key:
+        if plain and not wide:  # the usual case: every key and every node is bytes
+            for key in keys:
+                child = only_child[node]  # `NodeTable.child_of`, inlined
+                if child >= 0:
+                    at = child * width
+                    if not holds(key, at, at + width):  # type: ignore[arg-type]
                         break
-                elif type(key) is not bytes or not tokens.startswith(
-                    key, child * width, child * width + width
-                ):
+                elif child == MANY:
+                    child = kids[node].get(key, NO_NODE)
+                    if child < 0:
+                        break
+                else:
                     break
-            elif child == MANY:
-                child = kids[node].get(key, NO_NODE)
-                if child < 0:
-                    break
-            else:
+                path.append(child)
+                node = child
+            return path
+        for key in keys:
+            child = t.child_of(node, key)
+            if child < 0:
                 break
             path.append(child)
             node = child
@@ -411,7 +416,7 @@ class BlockTrie:
             path: list[Node] = []
             t = self._nodes
             if root is not None:  # [R12]: walk while a child with the exact key exists
-                path = self._walk(root, keys)
+                path = self._walk(root, keys, ext is None and self._key_hash is None)
             usable = min(len(path), (len(toks) - 1) // size)
             ck: Checkpoint | None = None
             host_nodes: list[Node] = []
@@ -698,7 +703,6 @@ class BlockTrie:
             width = t.width
             wide = t.wide
             stored: list[Node] = []
-            hashes: list[int]  # of the new blocks, made at the first
             for i in range(start, full):
                 key = keys[i]
                 child = only_child[parent]  # `NodeTable.child_of`, inlined
@@ -712,9 +716,17 @@ class BlockTrie:
                         child = NO_NODE
                 elif child == MANY:
                     child = t.kids[parent].get(key, NO_NODE)
-                if child >= 0 and block_of[child] == NO_BLOCK:  # [R49]
+                if child < 0:  # [R19]: this block and every later one are new
+                    # (a new node has no children): hash them, then attach them as
+                    # one chain under `parent`
+                    hashes = self._events.chain_hashes(parent, keys[i:full], plain)
+                    stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
+                    path.extend(stored)
+                    self._events.stored(stored, hashes, keys, seq.blocks, i, size)
+                    break
+                if block_of[child] == NO_BLOCK:  # [R49]
                     self._adopt(child, seq.blocks[i], tick)
-                elif child >= 0:  # [R18]
+                else:  # [R18]
                     own = seq.blocks[i]
                     cached = block_of[child]
                     kv.incref(cached)
@@ -722,16 +734,8 @@ class BlockTrie:
                     kv.decref(own)
                     self._evictor.settle(child)
                     t.tick[child] = tick  # [R8]
-                else:  # [R19]
-                    if not stored:  # every later block is new too (this one's node has
-                        # no children): hash them all before attaching any
-                        hashes = self._events.chain_hashes(parent, keys[i:full], plain)
-                    child = self._attach(parent, key, seq.blocks[i], tick, hashes[len(stored)])
-                    stored.append(child)
                 path.append(child)
                 parent = child
-            if stored:  # the last of `keys`
-                self._events.stored(stored, hashes, keys, seq.blocks, full - len(stored), size)
             seq.num_committed_tokens = n
             if host is not None and stored and not self._write_back:
                 self._store(stored)
@@ -854,19 +858,40 @@ class BlockTrie:
         with contextlib.suppress(CacheError):  # a failed store is undone: device-only
             self._transfers.launch(copy, undo)
 
-    def _attach(self, parent: Node, key: Hashable, block: int, tick: int, block_hash: int) -> Node:
-        self._kv.incref(block)
-        self._node_serial += 1
-        t = self._nodes
-        node = t.new(
-            parent, key, block, self._node_serial, tick, block_hash, _CACHED, t.namespace[parent]
+    def _attach_chain(
+        self,
+        parent: Node,
+        keys: list[Hashable],
+        start: int,
+        stop: int,
+        blocks: list[int],
+        tick: int,
+        hashes: list[int],
+    ) -> list[Node]:
+        """Attach blocks `start..stop-1` of a commit (keys and blocks from the
+        request's) as a chain of new nodes under `parent`, each the only child of
+        the one before; returns them, parent first. Each takes the trie's
+        reference on its block and starts `cached` (the request holds its block).
+
+        No state changes: the parent is a root or on the committing sequence's
+        path (held, so `cached` or `pinned` with or without children).
+        """
+        chain = blocks[start:stop]
+        serial = self._node_serial
+        nodes = self._nodes.new_chain(
+            parent,
+            keys,
+            start,
+            chain,
+            serial + 1,
+            tick,
+            hashes if self._events.hasher is not None else None,
+            _CACHED,
         )
-        t.attach_child(parent, key, node)
-        self._evictor.adopt(node)
-        # No state changes: the parent is a root or on the committing sequence's
-        # path (held, so `cached` or `pinned` with or without children), and the
-        # new node starts `cached`, as the sequence still holds its block.
-        return node
+        self._node_serial += stop - start
+        self._kv.incref_all(chain)  # held by the request: cannot fail
+        self._evictor.adopt_all(nodes, chain)
+        return nodes
 
     # ------------------------------------------------------- release / abort
 
