@@ -105,26 +105,30 @@ class NodeTable:
         capacity = max(capacity, 1)
         self.width = 4 * block_size
         """Bytes of one plain key (`block_size` uint32 token ids)."""
-        self.capacity = 0
-        self.parent = array("i")
-        self.child = array("i")
-        self.block = array("i")
-        self.host = array("i")
+        # Every column is built at its exact size (growing one by `extend` would
+        # over-allocate it by an eighth): about 130 bytes a row in all.
+        self.capacity = capacity
+        self.parent = array("i", [NO_NODE]) * capacity
+        self.child = array("i", [NO_CHILD]) * capacity
+        self.block = array("i", [NO_BLOCK]) * capacity
+        self.host = array("i", [NO_BLOCK]) * capacity
         # A list: the nodes one operation touches share its tick's `int` object, so
         # it costs a pointer per node, and lists are read and written faster.
-        self.tick: list[int] = []
-        self.serial = array("q")
+        self.tick: list[int] = [0] * capacity
+        self.serial = array("q", bytes(8 * capacity))
         # uint64 unless a scheme chains on wider digests (vLLM's: 256 bits)
-        self.block_hash: MutableSequence[int] = [] if wide_hashes else array("Q")
-        self.state: list[str] = []
-        self.residency: list[str] = []
-        self.namespace: list[str] = []
-        self.tokens = bytearray()
+        self.block_hash: MutableSequence[int] = (
+            [0] * capacity if wide_hashes else array("Q", bytes(8 * capacity))
+        )
+        self.state: list[str] = [_FREE] * capacity
+        self.residency: list[str] = [_DEVICE] * capacity
+        self.namespace: list[str] = [""] * capacity
+        self.tokens = bytearray(self.width * capacity)
         self.kids: dict[Node, dict[Hashable, Node]] = {}
         self.wide: dict[Node, Hashable] = {}
         self.checkpoint: dict[Node, Checkpoint] = {}
-        self.free_rows = array("i")
-        self._grow(capacity)
+        # Popped from the end: lowest rows first, so a fresh trie fills them in order.
+        self.free_rows = array("i", range(capacity - 1, -1, -1))
 
     def _grow(self, more: int) -> None:
         """Add `more` free rows (the columns grow in place: references to them stay valid)."""
@@ -136,7 +140,7 @@ class NodeTable:
         self.host.extend(array("i", [NO_BLOCK]) * more)
         self.tick.extend([0] * more)
         self.serial.extend(array("q", bytes(8 * more)))
-        self.block_hash.extend([0] * more)
+        self.block_hash.extend(array("Q", bytes(8 * more)))
         self.state.extend([_FREE] * more)
         self.residency.extend([_DEVICE] * more)
         self.namespace.extend([""] * more)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
@@ -311,6 +312,93 @@ class PrefixCount:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+class _Prefixes:
+    """Every distinct block prefix seen, held exactly and compactly: a trie whose rows
+    are prefixes, stored as columns (about 70 bytes a prefix, no object per row).
+
+    A row's last block is its tokens packed as native uint32 (`width` bytes in
+    `tokens`), or, when an id needs 64 bits, as uint64 plus a marker byte in
+    `wide`; `child` holds a row's only child, `_NONE` or `_MANY` (then its
+    children are in `kids`, keyed by packed block; roots always use `kids`).
+    Compared byte for byte: a hash never decides identity.
+    """
+
+    _NONE = -1
+    _MANY = -2
+
+    def __init__(self, block_size: int) -> None:
+        self.width = 4 * block_size
+        self.tokens = bytearray()
+        self.child = array("i")
+        self.kids: dict[int, dict[bytes, int]] = {}
+        self.wide: dict[int, bytes] = {}
+        self.roots: dict[str, int] = {}
+        self.distinct = 0
+        """Rows that are block prefixes (not roots)."""
+
+    def pack(self, block: Sequence[int]) -> bytes:
+        try:
+            return array("I", block).tobytes()
+        except OverflowError:  # an id past 32 bits (token traces allow 64)
+            return array("Q", block).tobytes() + b"\x08"
+
+    def _row(self, packed: bytes) -> int:
+        row = len(self.child)
+        self.child.append(self._NONE)
+        if len(packed) == self.width:
+            self.tokens += packed
+        else:
+            self.tokens += bytes(self.width)
+            self.wide[row] = packed
+        return row
+
+    def root(self, namespace: str) -> int:
+        row = self.roots.get(namespace)
+        if row is None:
+            row = self.roots[namespace] = self._row(bytes(self.width))
+            self.child[row] = self._MANY
+            self.kids[row] = {}
+        return row
+
+    def find(self, parent: int, packed: bytes) -> int:
+        """The row of `parent` + the block packed as `packed`, or -1."""
+        only = self.child[parent]
+        if only >= 0:
+            wide = self.wide.get(only)
+            if wide is not None:
+                return only if wide == packed else -1
+            at = only * self.width
+            same = len(packed) == self.width and self.tokens.startswith(packed, at, at + self.width)
+            return only if same else -1
+        if only == self._NONE:
+            return -1
+        return self.kids[parent].get(packed, -1)
+
+    def add(self, parent: int, packed: bytes) -> int:
+        """The row of `parent` + the block packed as `packed`, made if new."""
+        row = self.find(parent, packed)
+        if row >= 0:
+            return row
+        row = self._row(packed)
+        self.distinct += 1
+        only = self.child[parent]
+        if only == self._NONE:
+            self.child[parent] = row
+        elif only >= 0:  # a second child: both go to a dict
+            self.kids[parent] = {self._packed(only): only, packed: row}
+            self.child[parent] = self._MANY
+        else:
+            self.kids[parent][packed] = row
+        return row
+
+    def _packed(self, row: int) -> bytes:
+        wide = self.wide.get(row)
+        if wide is not None:
+            return wide
+        at = row * self.width
+        return bytes(self.tokens[at : at + self.width])
+
+
 def count_prefix_hits(
     workload: Workload[Any],
     block_size: int,
@@ -322,20 +410,14 @@ def count_prefix_hits(
     A request's hit is its longest prefix of whole blocks that an earlier
     request committed (its prompt, then its decoded output, up to
     `max_decode_tokens`), in the same namespace, capped so that at least one
-    prompt token is left to compute. Prefixes are interned as integer ids:
-    ``id(prefix + block) = table[id(prefix), id(block tokens)]``, the root of each
-    namespace having an id of its own.
+    prompt token is left to compute. The prefixes seen are held exactly in a
+    compact trie of their own (`_Prefixes`), sharing no code with the cache.
     `progress(n)` is called with the requests counted so far, every 256 and at the end.
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
-    # Compact keys: a block's tokens are interned once (`blocks`), and the table maps
-    # one int, prefix id * 2**40 + block id, to the prefix id of prefix + block. Each
-    # namespace's root is a prefix id of its own (negative, so never a table value).
-    blocks: dict[tuple[int, ...], int] = {}
-    roots: dict[str, int] = {}
-    table: dict[int, int] = {}
-    shift = 1 << 40
+    prefixes = _Prefixes(block_size)
+    pack = prefixes.pack
     hit_tokens = 0
     prompt_tokens = 0
     max_blocks = 0
@@ -347,16 +429,14 @@ def count_prefix_hits(
             progress(requests)
         prompt = req.prompt
         prompt_tokens += len(prompt)
-        root = roots.setdefault(req.namespace, -1 - len(roots))
+        root = prefixes.root(req.namespace)
         limit = (len(prompt) - 1) // b
         prefix = root
         hit = 0
         for i in range(limit):
-            block = blocks.get(tuple(prompt[i * b : (i + 1) * b]))
-            nxt = None if block is None else table.get(prefix * shift + block)
-            if nxt is None:
+            prefix = prefixes.find(prefix, pack(prompt[i * b : (i + 1) * b]))
+            if prefix < 0:
                 break
-            prefix = nxt
             hit += 1
         hit_tokens += hit * b
         output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
@@ -365,14 +445,7 @@ def count_prefix_hits(
         max_blocks = max(max_blocks, -(-len(full) // b))
         prefix = root
         for i in range(nblocks):
-            tokens = tuple(full[i * b : (i + 1) * b])
-            block = blocks.setdefault(tokens, len(blocks))
-            key = prefix * shift + block
-            nxt = table.get(key)
-            if nxt is None:
-                nxt = len(table)
-                table[key] = nxt
-            prefix = nxt
+            prefix = prefixes.add(prefix, pack(full[i * b : (i + 1) * b]))
     if progress is not None:
         progress(requests)
-    return PrefixCount(requests, prompt_tokens, hit_tokens, len(table), max_blocks)
+    return PrefixCount(requests, prompt_tokens, hit_tokens, prefixes.distinct, max_blocks)
