@@ -155,7 +155,7 @@ class EventLog:
                 append(h)
             return hashes
         chain = self.chain_packed
-        namespace = t.namespace[parent]
+        namespace = t.namespace_of(parent)
         for key in keys:
             h = chain(h, key_packed(key), key_extra(key), namespace)  # type: ignore[misc]
             append(h)
@@ -181,7 +181,7 @@ class EventLog:
         if not self.enabled or not nodes:
             return
         parent_hash = self._parent_hash(nodes[0])
-        namespace = self._table().namespace[nodes[0]]
+        namespace = self._table().namespace_of(nodes[0])
         stop = first + len(nodes)
         keys = keys[first:stop]
         try:  # a key is its packed bytes unless the block has an extra identity or
@@ -217,7 +217,7 @@ class EventLog:
         """`node`'s device `block` was freed while the node stays (offloaded to host)."""
         if self.enabled:
             t = self._table()
-            self._events.append(BlockRemoved((t.block_hash[node],), (block,), t.namespace[node]))
+            self._events.append(BlockRemoved((t.block_hash[node],), (block,), t.namespace_of(node)))
 
     def host_stored(self, nodes: Sequence[Node]) -> None:
         """A store copy finished: `nodes` are now in the host tier (medium CPU)."""
@@ -237,7 +237,7 @@ class EventLog:
         t = self._table()
         for nd in nodes:
             self._events.append(
-                BlockRemoved((t.block_hash[nd],), (t.host[nd],), t.namespace[nd], MEDIUM_CPU)
+                BlockRemoved((t.block_hash[nd],), (t.host[nd],), t.namespace_of(nd), MEDIUM_CPU)
             )
 
     def _single_blocks(self, nodes: Sequence[Node], blocks: Sequence[int], medium: str) -> None:
@@ -248,7 +248,7 @@ class EventLog:
 
         t = self._table()
         for nd, block in zip(nodes, blocks, strict=True):
-            namespace = t.namespace[nd]
+            namespace = t.namespace_of(nd)
             extra = t.extra_of(nd)
             tokens = t.tokens_of(nd)
             self._events.append(
@@ -281,7 +281,7 @@ class EventLog:
         from cache.block_hash import extra_keys
 
         t = self._table()
-        namespace = t.namespace[anchor]
+        namespace = t.namespace_of(anchor)
         if host:  # named as on the device (a host copy is block-aligned)
             self._events.append(
                 checkpoint_stored(
@@ -324,7 +324,7 @@ class EventLog:
             slot, medium = (ck.host_slot, MEDIUM_CPU) if host else (ck.slot, MEDIUM_GPU)
             self._events.append(
                 checkpoint_removed(
-                    (ck.block_hash,), (slot,), self._table().namespace[ck.anchor], medium=medium
+                    (ck.block_hash,), (slot,), self._table().namespace_of(ck.anchor), medium=medium
                 )
             )
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
 from cache.lru import NodeLRU
-from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable
+from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_code, state_name
 from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
 from spec.lifecycle import (
@@ -51,24 +51,28 @@ if TYPE_CHECKING:
     from cache.host_tier import HostTier
 
 
-_EVICTABLE = NodeState.EVICTABLE.value
-_OFFLOADED = NodeState.OFFLOADED.value
+# Node states as `NodeTable.state` stores them (one-byte codes).
+_EVICTABLE = state_code(NodeState.EVICTABLE.value)
+_ROOT = state_code(NodeState.ROOT.value)
+_EVICTABLE_NAME = NodeState.EVICTABLE.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
 _OFFLOAD = NodeTrigger.OFFLOAD.value
 _SHARE = NodeTrigger.SHARE.value
 _RESIDENCY_OFFLOAD = ResidencyTrigger.OFFLOAD.value
 _MIRRORED = Residency.MIRRORED.value
 _DEVICE = Residency.DEVICE.value
-_ROOT = NodeState.ROOT.value
 
-_FREED_FROM: dict[str, str] = {
-    state: dest for (trigger, state), dest in NODE.table.items() if trigger == _FREE
+_FREED_FROM: dict[int, int] = {
+    state_code(state): state_code(dest)
+    for (trigger, state), dest in NODE.table.items()
+    if trigger == _FREE
 }
-"""The `NODE` table's `free` row: state -> state after `free` (only `evictable` has one)."""
+"""The `NODE` table's `free` row, as state codes: state -> state after `free` (only
+`evictable` has one)."""
 
-_SETTLED: dict[tuple[str, bool, int, int, bool], str] = {}
-"""(stored state, leaf, block refs, pins, on device) -> the state `settle` moves an
-attached node to.
+_SETTLED: dict[tuple[int, bool, int, int, bool], int] = {}
+"""(stored state's code, leaf, block refs, pins, on device) -> the code of the state
+`settle` moves an attached node to.
 
 A memo of `_settled`, which is a pure function of these facts (the spec's
 `implied_node_state`, then every step of the spec's route to it): the hot
@@ -78,20 +82,20 @@ Bounded by the distinct facts seen (states x 2 x reference counts x pins).
 
 
 def _settled(
-    describe: object, state: str, leaf: bool, refs: int, pins: int, on_device: bool
-) -> str:
-    """Derive (and memoize) where `settle` moves a node with these facts; raises
-    `IllegalTransition` (memoizing nothing) when the spec has no route there.
-    `describe` names the node in the error."""
+    describe: object, state: int, leaf: bool, refs: int, pins: int, on_device: bool
+) -> int:
+    """Derive (and memoize) where `settle` moves a node with these facts (its state
+    as a code); raises `IllegalTransition` (memoizing nothing) when the spec has no
+    route there. `describe` names the node in the error."""
     implied = implied_node_state(
         attached=True, leaf=leaf, block_refs=refs, pins=pins, on_device=on_device
     )
-    dest = state
-    for trigger in NODE.route(state, implied, describe):
+    dest = state_name(state)
+    for trigger in NODE.route(dest, implied, describe):
         dest = NODE.step(trigger, dest, describe)
-    dest = str(NodeState(dest).value)
-    _SETTLED[(state, leaf, refs, pins, on_device)] = dest
-    return dest
+    code = state_code(str(NodeState(dest).value))
+    _SETTLED[(state, leaf, refs, pins, on_device)] = code
+    return code
 
 
 class Evictor:
@@ -162,7 +166,7 @@ class Evictor:
         if dest != t.state[node]:
             self._enter(node, dest)
 
-    def _implied(self, node: Node) -> str:
+    def _implied(self, node: Node) -> int:
         """Where `settle` moves the attached, non-root `node` (no change made)."""
         t = self.nodes
         only = t.child[node]
@@ -181,7 +185,7 @@ class Evictor:
             dest = _settled(t.named(node), *facts)
         return dest
 
-    def _enter(self, node: Node, dest: str) -> None:
+    def _enter(self, node: Node, dest: int) -> None:
         """Set `node`'s state to `dest` (a new one), keeping the index to exactly the
         evictable nodes (invariant 7)."""
         state = self.nodes.state
@@ -288,7 +292,9 @@ class Evictor:
                         break
                     else:
                         if removed is not None:
-                            removed.append((t.block_hash[node], t.block[node], t.namespace[node]))
+                            removed.append(
+                                (t.block_hash[node], t.block[node], t.namespace_of(node))
+                            )
                         freed += self._free(node)
                     if parent == NO_NODE or state[parent] == _ROOT:
                         break
@@ -303,8 +309,7 @@ class Evictor:
                         if index:  # [R10]: only if older than every indexed leaf
                             oldest = index.oldest()
                             older = ticks[parent] < ticks[oldest] or (
-                                ticks[parent] == ticks[oldest]
-                                and serials[parent] < serials[oldest]
+                                ticks[parent] == ticks[oldest] and serials[parent] < serials[oldest]
                             )
                         else:
                             older = True
@@ -342,7 +347,8 @@ class Evictor:
         t = self.nodes
         self._kv.incref(t.block[node])
         host.pool.incref(host_block)
-        t.state[node] = NODE.step(_SHARE, t.state[node], t.named(node))  # held: `cached`
+        held = NODE.step(_SHARE, state_name(t.state[node]), t.named(node))
+        t.state[node] = state_code(held)  # held: `cached`
         return True
 
     def offload_written_back(self, node: Node) -> None:
@@ -369,7 +375,7 @@ class Evictor:
         t = self.nodes
         freed_state = _FREED_FROM.get(t.state[node])
         if freed_state is None:  # the spec's IllegalTransition, naming the node
-            freed_state = NODE.step(_FREE, t.state[node], t.named(node))
+            freed_state = state_code(NODE.step(_FREE, state_name(t.state[node]), t.named(node)))
         child = t.child
         if self.host is not None and child[node] != NO_CHILD:
             self.host.drop_below(node)
@@ -400,7 +406,7 @@ class Evictor:
         blocks freed (its checkpoint's frozen tail too: checkpoints live on the
         device only, so an offloaded node holds none)."""
         t = self.nodes
-        state = NODE.step(_OFFLOAD, t.state[node], t.named(node))
+        state = state_code(NODE.step(_OFFLOAD, state_name(t.state[node]), t.named(node)))
         # from `mirrored`
         residency = RESIDENCY.step(_RESIDENCY_OFFLOAD, t.residency[node], t.named(node))
         host = self.host
@@ -507,7 +513,7 @@ class Evictor:
                     block_refs=refs[t.block[parent]],
                     pins=pck.pins if pck is not None else 0,
                 )
-                if after != _EVICTABLE:
+                if after != _EVICTABLE_NAME:
                     break
                 node = parent
             if count >= limit:

@@ -28,7 +28,7 @@ from cache.copies import Copy, block_moves
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
 from cache.lru import NodeLRU
-from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable
+from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_code, state_name
 from cache.stats import CacheStats
 from spec.errors import CacheError, InvariantViolation
 from spec.lifecycle import (
@@ -44,7 +44,7 @@ from spec.lifecycle import (
 if TYPE_CHECKING:
     from cache.eviction import Evictor
 
-_OFFLOADED = NodeState.OFFLOADED.value
+_OFFLOADED = state_code(NodeState.OFFLOADED.value)  # as `NodeTable.state` stores it
 _STORED_FROM: dict[str, str] = {
     state: dest
     for (trigger, state), dest in RESIDENCY.table.items()
@@ -360,7 +360,7 @@ class HostTier:
         returns its former parent (to be settled by the caller). The caller
         releases the node's row once its removal is recorded."""
         t = self.nodes
-        t.state[node] = NODE.step(_FREE, t.state[node], t.named(node))
+        t.state[node] = state_code(NODE.step(_FREE, state_name(t.state[node]), t.named(node)))
         parent = t.parent[node]
         if parent == NO_NODE:
             raise InvariantViolation("topology", f"offloaded {t.describe(node)} has no parent")

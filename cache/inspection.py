@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache.node import NO_NODE
+from cache.node import NO_NODE, state_name
 from spec import invariants
 from spec.snapshot import CheckpointView, CopyView, NodeView, SequenceView, Snapshot
 
@@ -33,13 +33,13 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         children = t.child_nodes(node)
         root = t.is_root(node)
         nodes[nid] = {
-            "namespace": t.namespace[node],
+            "namespace": t.namespace_of(node),
             "parent": None if parent == NO_NODE else serial[parent],
             "depth": depth,
             "key": None if root else (t.tokens_of(node), t.extra_of(node)),
             "block": None if t.block[node] < 0 else t.block[node],
             "children": [serial[c] for c in children],
-            "state": t.state[node],
+            "state": state_name(t.state[node]),
             "tick": t.tick[node],
             "serial": nid,
             "checkpoint": None if ck is None else ck.serial,

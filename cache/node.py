@@ -14,7 +14,8 @@ the table holds state and the few operations that keep its links consistent
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, MutableSequence, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 from cache.keys import HashedKey, key_extra, key_tokens
 from spec.lifecycle import NodeState, Residency
@@ -29,6 +30,8 @@ __all__ = [
     "HashedKey",
     "Node",
     "NodeTable",
+    "state_code",
+    "state_name",
 ]
 
 Node = int
@@ -49,8 +52,65 @@ NO_SLOT = -1
 host copy."""
 
 _DEVICE = Residency.DEVICE.value  # a new node's residency
-_FREE = NodeState.FREED.value  # the state of a row no node uses
-_ROOT = NodeState.ROOT.value
+
+STATE_NAMES: list[str] = [state.value for state in NodeState]
+"""Node lifecycle states by code: `NodeTable.state` holds one byte per node."""
+_STATE_CODES: dict[str, int] = {name: code for code, name in enumerate(STATE_NAMES)}
+
+
+def state_code(name: str) -> int:
+    """The byte `NodeTable.state` stores for the lifecycle state `name` (a state the
+    spec does not name, as tests use, gets the next free code)."""
+    code = _STATE_CODES.get(name)
+    if code is None:
+        if len(STATE_NAMES) == 256:
+            raise ValueError(f"no state code left for {name!r}")
+        code = _STATE_CODES[name] = len(STATE_NAMES)
+        STATE_NAMES.append(name)
+    return code
+
+
+def state_name(code: int) -> str:
+    """The lifecycle state whose code `NodeTable.state` holds."""
+    return STATE_NAMES[code]
+
+
+_FREE = state_code(NodeState.FREED.value)  # the state of a row no node uses
+_ROOT = state_code(NodeState.ROOT.value)
+
+
+T = TypeVar("T")
+
+
+class Column(Protocol[T]):
+    """What the table needs of a column: an `array`, a `list`, or a `Constant`."""
+
+    def __getitem__(self, row: int, /) -> T: ...
+    def __setitem__(self, row: int, value: T, /) -> None: ...
+    def extend(self, values: Iterable[T], /) -> None: ...
+
+
+class Constant(Generic[T]):
+    """A column whose every row holds `value`, stored once: what the table keeps for a
+    fact its trie never varies (no host tier: every node `device` with no host
+    block; events off: every hash 0). Reads cost a Python call, so only paths
+    that the feature enables read it on the hot path; writing any other value is
+    a bug (`ValueError`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+    def __getitem__(self, row: int, /) -> T:
+        return self.value
+
+    def __setitem__(self, row: int, value: T, /) -> None:
+        if value != self.value:
+            raise ValueError(f"row {row}: this column is constant {self.value!r}, not {value!r}")
+
+    def extend(self, values: Iterable[T], /) -> None:
+        """Growing the table: nothing to store."""
 
 
 class NodeTable:
@@ -65,11 +125,11 @@ class NodeTable:
     - `tick` / `serial`: the eviction order `(tick, serial)` ([R10]); the
       serial is also the node's id in snapshots ([R43]), unique for the trie's
       life (rows are reused, serials are not);
-    - `block_hash`: the chained hash that events carry (0 with events off); an
-      `array("Q")`, or a list of ints with `wide_hashes` (a scheme, such as
-      vLLM's, whose chain runs on digests wider than 64 bits);
-    - `state` / `residency`: `spec.lifecycle` values (plain `str`s);
-    - `namespace`: the namespace of the node's root;
+    - `block_hash`: the chained hash that events carry (0 with events off);
+    - `state`: the lifecycle state, one byte (`state_code` / `state_name`);
+    - `residency`: a `spec.lifecycle.Residency` value (a plain `str`);
+    - `namespace`: the namespace of the node's root, as an index into `names`
+      (`namespace_of`);
     - `tokens`: the block's token ids, native uint32, `width` bytes per row,
       for a node whose key is its packed token bytes (a *plain* key, the
       usual case); a node with any other key (extra identity, a token id past
@@ -77,19 +137,25 @@ class NodeTable:
     - `checkpoint`: the node's checkpoint, for the nodes that anchor one.
 
     A key is compared exactly (`has_key`): the token bytes in place, or the
-    `wide` key with `==`. Rows are handed out by `new` and returned by
-    `release`; the table grows (doubling) when every row is in use.
+    `wide` key with `==`. Rows are handed out by `new` / `new_chain` and
+    returned by `release`; the table grows (doubling) when every row is in use.
+    A column the trie's configuration never varies is a `Constant` (no host
+    tier: `host`, `residency`; events off: `block_hash`). About 120 bytes a
+    row, with neither.
     """
 
     __slots__ = (
+        "_name_index",
         "block",
         "block_hash",
         "capacity",
         "checkpoint",
         "child",
         "free_rows",
+        "fresh",
         "host",
         "kids",
+        "names",
         "namespace",
         "parent",
         "residency",
@@ -101,39 +167,58 @@ class NodeTable:
         "width",
     )
 
-    def __init__(self, block_size: int, capacity: int, wide_hashes: bool = False) -> None:
+    def __init__(
+        self, block_size: int, capacity: int, hashes: str = "u64", host_tier: bool = True
+    ) -> None:
+        """`capacity` rows to start with. `hashes`: `"u64"` (an `array("Q")`),
+        `"wide"` (a list of ints: a scheme whose chain runs on digests wider than 64
+        bits, vLLM's) or `"none"` (events off: every hash is 0, and no column is
+        kept). Without `host_tier` every node is `device` with no host block, and
+        neither column is kept."""
+        if hashes not in ("u64", "wide", "none"):
+            raise ValueError(f"hashes must be 'u64', 'wide' or 'none', got {hashes!r}")
         capacity = max(capacity, 1)
         self.width = 4 * block_size
         """Bytes of one plain key (`block_size` uint32 token ids)."""
         # Every column is built at its exact size (growing one by `extend` would
-        # over-allocate it by an eighth): about 130 bytes a row in all.
+        # over-allocate it by an eighth).
         self.capacity = capacity
         self.parent = array("i", [NO_NODE]) * capacity
         self.child = array("i", [NO_CHILD]) * capacity
         self.block = array("i", [NO_BLOCK]) * capacity
-        self.host = array("i", [NO_BLOCK]) * capacity
+        self.host: Column[int] = (
+            array("i", [NO_BLOCK]) * capacity if host_tier else Constant(NO_BLOCK)
+        )
         # A list: the nodes one operation touches share its tick's `int` object, so
         # it costs a pointer per node, and lists are read and written faster.
         self.tick: list[int] = [0] * capacity
         self.serial = array("q", bytes(8 * capacity))
-        # uint64 unless a scheme chains on wider digests (vLLM's: 256 bits)
-        self.block_hash: MutableSequence[int] = (
-            [0] * capacity if wide_hashes else array("Q", bytes(8 * capacity))
+        self.block_hash: Column[int] = (
+            array("Q", bytes(8 * capacity))
+            if hashes == "u64"
+            else [0] * capacity
+            if hashes == "wide"
+            else Constant(0)
         )
-        self.state: list[str] = [_FREE] * capacity
-        self.residency: list[str] = [_DEVICE] * capacity
-        self.namespace: list[str] = [""] * capacity
+        self.state = bytearray([_FREE]) * capacity
+        self.residency: Column[str] = [_DEVICE] * capacity if host_tier else Constant(_DEVICE)
+        self.namespace = array("i", bytes(4 * capacity))
+        """Each node's namespace, as an index into `names`."""
+        self.names: list[str] = [""]
+        """The namespaces seen, by index (`namespace_of`)."""
+        self._name_index: dict[str, int] = {"": 0}
         self.tokens = bytearray(self.width * capacity)
         self.kids: dict[Node, dict[Hashable, Node]] = {}
         self.wide: dict[Node, Hashable] = {}
         self.checkpoint: dict[Node, Checkpoint] = {}
-        # Popped from the end: lowest rows first, so a fresh trie fills them in order.
-        self.free_rows = array("i", range(capacity - 1, -1, -1))
+        self.free_rows = array("i")
+        """Rows given back (`release`), reused last-in first-out."""
+        self.fresh = 0
+        """Rows `fresh ..` have never held a node (handed out in order, after the
+        given-back ones)."""
 
     def _grow(self, more: int) -> None:
-        """Add `more` free rows (the columns grow in place: references to them stay valid)."""
-        old = self.capacity
-        new = old + more
+        """Add `more` rows (the columns grow in place: references to them stay valid)."""
         self.parent.extend(array("i", [NO_NODE]) * more)
         self.child.extend(array("i", [NO_CHILD]) * more)
         self.block.extend(array("i", [NO_BLOCK]) * more)
@@ -141,21 +226,34 @@ class NodeTable:
         self.tick.extend([0] * more)
         self.serial.extend(array("q", bytes(8 * more)))
         self.block_hash.extend(array("Q", bytes(8 * more)))
-        self.state.extend([_FREE] * more)
+        self.state.extend(bytearray([_FREE]) * more)
         self.residency.extend([_DEVICE] * more)
-        self.namespace.extend([""] * more)
+        self.namespace.extend(array("i", bytes(4 * more)))
         self.tokens.extend(bytes(self.width * more))
-        # Popped from the end: lowest rows first, so a fresh trie fills them in order.
-        # (Only called with no free row left.)
-        self.free_rows.extend(array("i", range(new - 1, old - 1, -1)))
-        self.capacity = new
+        self.capacity += more
+
+    def _take(self, count: int) -> list[Node]:
+        """`count` free rows: given-back ones first (most recent first), then fresh ones."""
+        free = self.free_rows
+        reused = min(count, len(free))
+        rows = free[len(free) - reused :].tolist()
+        del free[len(free) - reused :]
+        rows.reverse()
+        if reused < count:
+            fresh = self.fresh
+            need = count - reused
+            if fresh + need > self.capacity:
+                self._grow(max(self.capacity, need))
+            rows.extend(range(fresh, fresh + need))
+            self.fresh = fresh + need
+        return rows
 
     # ------------------------------------------------------------ rows
 
     @property
     def num_used(self) -> int:
         """Rows holding a node (attached or root)."""
-        return self.capacity - len(self.free_rows)
+        return self.fresh - len(self.free_rows)
 
     def new(
         self,
@@ -171,10 +269,7 @@ class NodeTable:
         """A fresh row for a node under `parent` (`NO_NODE` for a root, whose `key` is
         None), with these facts, `device` residency, no children and no host block;
         not linked into `parent`'s children (`attach_child` does that)."""
-        free = self.free_rows
-        if not free:
-            self._grow(self.capacity)
-        node = free.pop()
+        (node,) = self._take(1)
         self.parent[node] = parent
         self.child[node] = MANY if key is None else NO_CHILD
         self.block[node] = block
@@ -182,9 +277,13 @@ class NodeTable:
         self.tick[node] = tick
         self.serial[node] = serial
         self.block_hash[node] = block_hash
-        self.state[node] = state
+        self.state[node] = state_code(state)
         self.residency[node] = _DEVICE
-        self.namespace[node] = namespace
+        index = self._name_index.get(namespace)
+        if index is None:
+            index = self._name_index[namespace] = len(self.names)
+            self.names.append(namespace)
+        self.namespace[node] = index
         if key is None:
             self.kids[node] = {}
         elif type(key) is bytes and len(key) == self.width:
@@ -211,14 +310,9 @@ class NodeTable:
         is the only child of node `j - 1`
         (the first one is `parent`'s newest child). Each is a leaf of `device`
         residency with no host block, in `parent`'s namespace, at `tick`."""
-        count = len(blocks)
-        free = self.free_rows
-        if len(free) < count:
-            self._grow(max(self.capacity, count))
-        nodes = free[len(free) - count :].tolist()
-        del free[len(free) - count :]
-        nodes.reverse()  # lowest rows first, as `new` hands them out
-        namespace = self.namespace[parent]
+        nodes = self._take(len(blocks))
+        code = state_code(state)
+        namespace = self.namespace[parent]  # its index in `names`
         parents = self.parent
         child = self.child
         block = self.block
@@ -238,7 +332,7 @@ class NodeTable:
             block[node] = blocks[j]
             ticks[node] = tick
             serials[node] = serial + j
-            states[node] = state
+            states[node] = code
             namespaces[node] = namespace
             key = keys[start + j]
             if type(key) is bytes and len(key) == width:
@@ -276,7 +370,7 @@ class NodeTable:
     def used(self) -> list[Node]:
         """Every row holding a node, in id order (for inspection)."""
         free = set(self.free_rows)
-        return [n for n in range(self.capacity) if n not in free]
+        return [n for n in range(self.fresh) if n not in free]
 
     # ------------------------------------------------------------ keys
 
@@ -299,6 +393,10 @@ class NodeTable:
             return False
         at = node * self.width
         return self.tokens.startswith(key, at, at + self.width)
+
+    def namespace_of(self, node: Node) -> str:
+        """The namespace of `node`'s root."""
+        return self.names[self.namespace[node]]
 
     def is_root(self, node: Node) -> bool:
         """Whether `node` is a namespace root."""
@@ -388,8 +486,8 @@ class NodeTable:
     def describe(self, node: Node) -> str:
         """`node` as error messages name it."""
         return (
-            f"<Node #{self.serial[node]} ns={self.namespace[node]!r} "
-            f"block={self.block[node]} {self.state[node]}>"
+            f"<Node #{self.serial[node]} ns={self.namespace_of(node)!r} "
+            f"block={self.block[node]} {STATE_NAMES[self.state[node]]}>"
         )
 
     def named(self, node: Node) -> NodeName:

@@ -49,7 +49,16 @@ from cache.faults import Faults
 from cache.host_tier import HostTier
 from cache.keys import block_identity, request_keys
 from cache.kv_pool import KVBlockPool
-from cache.node import MANY, NO_BLOCK, NO_NODE, NO_SLOT, Checkpoint, Node, NodeTable
+from cache.node import (
+    MANY,
+    NO_BLOCK,
+    NO_NODE,
+    NO_SLOT,
+    Checkpoint,
+    Node,
+    NodeTable,
+    state_code,
+)
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -77,7 +86,7 @@ from spec.lifecycle import (
 )
 from spec.snapshot import Snapshot
 
-_EVICTABLE = NodeState.EVICTABLE.value
+_EVICTABLE = state_code(NodeState.EVICTABLE.value)  # as `NodeTable.state` stores it
 _CACHED = NodeState.CACHED.value
 _ROOT = NodeState.ROOT.value
 _LOADING = Residency.LOADING.value
@@ -162,7 +171,14 @@ class BlockTrie:
         self._nodes = NodeTable(
             config.block_size,
             config.num_blocks + config.num_host_blocks + 8,
-            wide_hashes=config.enable_events and config.block_hash != "xxh3",
+            hashes=(
+                "none"
+                if not config.enable_events
+                else "u64"
+                if config.block_hash == "xxh3"
+                else "wide"
+            ),
+            host_tier=config.host_tier,
         )
         self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
         self._events.nodes = self._nodes

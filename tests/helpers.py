@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cache import BlockTrie, CacheConfig, ManualCopies
-from cache.node import NO_NODE, Node
+from cache.node import NO_NODE, Node, state_code, state_name
 from spec.snapshot import Snapshot
 
 
@@ -95,7 +95,7 @@ class NodeRef:
     writes) the node's columns in the trie's `cache.node.NodeTable` by name.
     `id` is the node itself, as the trie's modules take it."""
 
-    _COLUMNS = ("block", "host", "tick", "serial", "block_hash", "state", "residency", "namespace")
+    _COLUMNS = ("block", "host", "tick", "serial", "block_hash", "residency")
 
     def __init__(self, trie: BlockTrie, node: Node) -> None:
         object.__setattr__(self, "table", trie._nodes)
@@ -103,6 +103,10 @@ class NodeRef:
         object.__setattr__(self, "id", node)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "state":
+            return state_name(self.table.state[self.id])
+        if name == "namespace":
+            return self.table.namespace_of(self.id)
         if name in NodeRef._COLUMNS:
             return getattr(self.table, name)[self.id]
         raise AttributeError(name)
@@ -110,6 +114,8 @@ class NodeRef:
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "parent":
             object.__setattr__(self, name, value)  # the property
+        elif name == "state":
+            self.table.state[self.id] = state_code(value)
         elif name in NodeRef._COLUMNS:
             getattr(self.table, name)[self.id] = value
         else:

@@ -16,7 +16,7 @@ import pytest
 from cache import BlockTrie, CacheError, ManualCopies, OutOfBlocks, SequenceNotLive
 from cache.copies import Copy
 from cache.host_tier import HostTier
-from cache.node import Node
+from cache.node import Node, state_name
 from cache.transfers import Transfers
 from spec.invariants import rollback
 from tests.test_host_tier import (
@@ -256,7 +256,7 @@ def host_index_ignores_readers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None
     def settle(self: HostTier, node: Node) -> None:
         original(self, node)
         t = self.nodes
-        if t.state[node] == "offloaded" and t.is_leaf(node) and node not in self.index:
+        if state_name(t.state[node]) == "offloaded" and t.is_leaf(node) and node not in self.index:
             self.index.add(node)
 
     with monkeypatch.context() as patch:

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache.keys import HashedKey, pack_tokens
-from cache.node import MANY, NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable
+from cache.node import MANY, NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_name
 from tests.helpers import ssm_trie, state
 
 B = 2  # block size: plain keys are 8 bytes
@@ -30,7 +30,7 @@ def _table(capacity: int = 4) -> tuple[NodeTable, Node]:
 
 
 def _child(table: NodeTable, parent: Node, key: object, serial: int) -> Node:
-    node = table.new(parent, key, serial, serial, 0, 0, "cached", table.namespace[parent])
+    node = table.new(parent, key, serial, serial, 0, 0, "cached", table.namespace_of(parent))
     table.attach_child(parent, key, node)
     return node
 
@@ -129,8 +129,12 @@ def test_a_row_reads_back_what_new_wrote_and_is_reused_after_release() -> None:
     assert table.is_root(root)
     node = table.new(root, (pack_tokens([5, 6]), "e"), 3, 4, 5, 6, "cached", "ns")
     assert (table.parent[node], table.block[node], table.serial[node]) == (root, 3, 4)
-    assert (table.tick[node], table.block_hash[node], table.state[node]) == (5, 6, "cached")
-    assert (table.namespace[node], table.host[node], table.residency[node]) == (
+    assert (table.tick[node], table.block_hash[node], state_name(table.state[node])) == (
+        5,
+        6,
+        "cached",
+    )
+    assert (table.namespace_of(node), table.host[node], table.residency[node]) == (
         "ns",
         NO_BLOCK,
         "device",
@@ -139,7 +143,7 @@ def test_a_row_reads_back_what_new_wrote_and_is_reused_after_release() -> None:
     assert node not in table.checkpoint and table.child[node] == NO_CHILD
     assert table.num_used == 2
     table.release(node)
-    assert node not in table.wide and table.state[node] == "freed"
+    assert node not in table.wide and state_name(table.state[node]) == "freed"
     assert table.num_used == 1
     again = table.new(root, pack_tokens([7, 8]), 1, 9, 0, 0, "cached", "")
     assert again == node and again not in table.wide
