@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
-from cache.lru import NodeLRU
+from cache.lru import LRUIndex
 from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_code, state_name
 from cache.stats import CacheStats
 from spec.errors import InvariantViolation, OutOfBlocks
@@ -134,7 +134,7 @@ class Evictor:
         self.checkpoints = checkpoints
         self.host = host
         """The host tier, or None (then no node is ever offloaded)."""
-        self.index = NodeLRU(nodes.tick, nodes.serial)
+        self.index: LRUIndex[Node] = LRUIndex(nodes.tick.__getitem__, nodes.serial.__getitem__)
         self.owner = array("i", [NO_NODE]) * kv.capacity
         """Device block -> the node owning it (`NO_NODE` when none)."""
         self.num_cached = 0

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from cache.copies import Copy, block_moves
 from cache.event_log import EventLog
 from cache.kv_pool import KVBlockPool
-from cache.lru import NodeLRU
+from cache.lru import LRUIndex
 from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_code, state_name
 from cache.stats import CacheStats
 from spec.errors import CacheError, InvariantViolation
@@ -97,7 +97,7 @@ class HostTier:
         self._stats = stats
         self._events = events
         self._evictor: Evictor | None = None
-        self.index = NodeLRU(nodes.tick, nodes.serial)
+        self.index: LRUIndex[Node] = LRUIndex(nodes.tick.__getitem__, nodes.serial.__getitem__)
         self.loading: dict[Node, Copy] = {}
         """Each `loading` node's load copy, until it is reaped."""
         self.write_backs: dict[int, Copy] = {}

@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterator, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterator
+from operator import attrgetter
+from typing import Generic, TypeVar
 
+T = TypeVar("T")
 
-class _Ordered(Protocol):
-    tick: int
-    serial: int
-
-
-T = TypeVar("T", bound=_Ordered)
+_tick = attrgetter("tick")
+_serial = attrgetter("serial")
 
 
 class LRUIndex(Generic[T]):
-    """Objects ordered by `(tick, serial)`, oldest first.
+    """Members ordered by `(tick, serial)`, oldest first.
 
-    `serial` is unique per object, so the order is total and the same in every
+    `serial` is unique per member, so the order is total and the same in every
     implementation that uses the same clock (the documented tie-break: equal
-    ticks go oldest-created first). An object's `tick` must not change while it
+    ticks go oldest-created first). A member's `tick` must not change while it
     is in the index (remove, change, add).
 
-    Layout: a bucket per tick, holding the object itself when it is the
+    Members are objects with `tick` and `serial` attributes (checkpoints), or
+    anything else with `tick_of` / `serial_of` to read them (nodes: ids whose
+    ticks and serials are columns of a `cache.node.NodeTable`, read by the
+    columns' C-level `__getitem__`). Members are compared with `==` (objects
+    without `__eq__`: identity).
+
+    Layout: a bucket per tick, holding the member itself when it is the
     tick's only member (the usual case: a tick touches one root-to-leaf chain
     and only its deepest node can be a leaf) and a list kept in serial order
     otherwise; and a C `heapq` of plain int ticks with lazy deletion: a tick
@@ -34,9 +38,15 @@ class LRUIndex(Generic[T]):
     iteration sorts, and is meant for inspection.
     """
 
-    __slots__ = ("_buckets", "_size", "_ticks")
+    __slots__ = ("_buckets", "_serial_of", "_size", "_tick_of", "_ticks")
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        tick_of: Callable[[T], int] = _tick,
+        serial_of: Callable[[T], int] = _serial,
+    ) -> None:
+        self._tick_of = tick_of
+        self._serial_of = serial_of
         self._buckets: dict[int, T | list[T]] = {}
         self._ticks: list[int] = []  # a heap; may hold stale or repeated ticks
         self._size = 0
@@ -47,11 +57,11 @@ class LRUIndex(Generic[T]):
     def __bool__(self) -> bool:
         return self._size > 0
 
-    def __contains__(self, obj: T) -> bool:
-        bucket = self._buckets.get(obj.tick)
+    def __contains__(self, member: T) -> bool:
+        bucket = self._buckets.get(self._tick_of(member))
         if type(bucket) is list:
-            return any(o is obj for o in bucket)
-        return bucket is obj
+            return member in bucket
+        return bucket is not None and bucket == member
 
     def __iter__(self) -> Iterator[T]:
         """Members, oldest first."""
@@ -63,46 +73,46 @@ class LRUIndex(Generic[T]):
         for bucket in self._buckets.values():
             yield from _members(bucket)
 
-    def add(self, obj: T) -> None:
-        """Insert `obj` (must not be present)."""
-        tick = obj.tick
+    def add(self, member: T) -> None:
+        """Insert `member` (must not be present)."""
+        tick = self._tick_of(member)
         buckets = self._buckets
         bucket = buckets.get(tick)
         if bucket is None:
-            buckets[tick] = obj
+            buckets[tick] = member
             ticks = self._ticks
             heapq.heappush(ticks, tick)
             if len(ticks) > 2 * len(buckets) + 64:
                 self._ticks = list(buckets)
                 heapq.heapify(self._ticks)
         elif type(bucket) is list:
-            bisect.insort(bucket, obj, key=_serial)
+            bisect.insort(bucket, member, key=self._serial_of)
         else:
-            buckets[tick] = sorted((bucket, obj), key=_serial)  # type: ignore[arg-type]
+            buckets[tick] = sorted((bucket, member), key=self._serial_of)  # type: ignore[arg-type]
         self._size += 1
 
-    def remove(self, obj: T) -> None:
-        """Remove `obj`; `KeyError` when it is not a member."""
-        tick = obj.tick
+    def remove(self, member: T) -> None:
+        """Remove `member`; `KeyError` when it is not a member."""
+        tick = self._tick_of(member)
         buckets = self._buckets
-        bucket = buckets[tick]
-        if bucket is obj:
-            del buckets[tick]
-        elif type(bucket) is list:
-            for i, member in enumerate(bucket):  # by identity, as `__contains__`
-                if member is obj:
+        bucket = buckets.get(tick)
+        if type(bucket) is list:
+            for i, other in enumerate(bucket):
+                if other == member:
                     del bucket[i]
                     break
             else:
-                raise KeyError(obj)
+                raise KeyError(member)
             if len(bucket) == 1:
                 buckets[tick] = bucket[0]
+        elif bucket is not None and bucket == member:
+            del buckets[tick]
         else:
-            raise KeyError(obj)
+            raise KeyError(member)
         self._size -= 1
 
     def oldest(self) -> T:
-        """The least recent object (index must not be empty)."""
+        """The least recent member (index must not be empty)."""
         ticks = self._ticks
         buckets = self._buckets
         while True:
@@ -110,106 +120,7 @@ class LRUIndex(Generic[T]):
             if bucket is not None:
                 return bucket[0] if type(bucket) is list else bucket  # type: ignore[return-value]
             heapq.heappop(ticks)
-
-
-def older(a: _Ordered, b: _Ordered) -> bool:
-    """Whether `a` comes before `b` in the index's order, `(tick, serial)`."""
-    return a.tick < b.tick or (a.tick == b.tick and a.serial < b.serial)
 
 
 def _members(bucket: T | list[T]) -> list[T]:
-    return bucket if type(bucket) is list else [bucket]  # type: ignore[list-item]
-
-
-def _serial(obj: _Ordered) -> int:
-    return obj.serial
-
-
-class NodeLRU:
-    """`LRUIndex` for nodes that are ids in a `cache.node.NodeTable`: the same
-    order, layout and costs, reading each node's `tick` and `serial` from the
-    table's columns instead of from an object. A node's tick must not change
-    while it is in the index (remove, change, add)."""
-
-    __slots__ = ("_buckets", "_serials", "_size", "_tick_of", "_ticks")
-
-    def __init__(self, ticks: Sequence[int], serials: Sequence[int]) -> None:
-        self._tick_of = ticks  # the table's columns: they grow in place
-        self._serials = serials
-        self._buckets: dict[int, int | list[int]] = {}
-        self._ticks: list[int] = []  # a heap; may hold stale or repeated ticks
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __bool__(self) -> bool:
-        return self._size > 0
-
-    def __contains__(self, node: int) -> bool:
-        bucket = self._buckets.get(self._tick_of[node])
-        if type(bucket) is list:
-            return node in bucket
-        return bucket == node
-
-    def __iter__(self) -> Iterator[int]:
-        """Members, oldest first."""
-        for tick in sorted(self._buckets):
-            yield from _node_members(self._buckets[tick])
-
-    def unordered(self) -> Iterator[int]:
-        """Members in no particular order (cheap)."""
-        for bucket in self._buckets.values():
-            yield from _node_members(bucket)
-
-    def add(self, node: int) -> None:
-        """Insert `node` (must not be present)."""
-        tick = self._tick_of[node]
-        buckets = self._buckets
-        bucket = buckets.get(tick)
-        if bucket is None:
-            buckets[tick] = node
-            ticks = self._ticks
-            heapq.heappush(ticks, tick)
-            if len(ticks) > 2 * len(buckets) + 64:
-                self._ticks = list(buckets)
-                heapq.heapify(self._ticks)
-        elif type(bucket) is list:
-            bisect.insort(bucket, node, key=self._serials.__getitem__)
-        else:
-            buckets[tick] = sorted((bucket, node), key=self._serials.__getitem__)  # type: ignore[arg-type]
-        self._size += 1
-
-    def remove(self, node: int) -> None:
-        """Remove `node`; `KeyError` when it is not a member."""
-        tick = self._tick_of[node]
-        buckets = self._buckets
-        bucket = buckets.get(tick)
-        if bucket is None:
-            raise KeyError(node)
-        if type(bucket) is list:
-            try:
-                bucket.remove(node)
-            except ValueError:
-                raise KeyError(node) from None
-            if len(bucket) == 1:
-                buckets[tick] = bucket[0]
-        elif bucket == node:
-            del buckets[tick]
-        else:
-            raise KeyError(node)
-        self._size -= 1
-
-    def oldest(self) -> int:
-        """The least recent node (index must not be empty)."""
-        ticks = self._ticks
-        buckets = self._buckets
-        while True:
-            bucket = buckets.get(ticks[0])
-            if bucket is not None:
-                return bucket[0] if type(bucket) is list else bucket  # type: ignore[return-value]
-            heapq.heappop(ticks)
-
-
-def _node_members(bucket: int | list[int]) -> list[int]:
     return bucket if type(bucket) is list else [bucket]  # type: ignore[list-item]

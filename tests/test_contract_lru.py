@@ -43,26 +43,22 @@ def test_removing_a_stranger_from_a_shared_tick_names_it_and_changes_nothing() -
     assert list(index) == [a, b] and len(index) == 2
 
 
-class _EqualToAll(_Item):
-    """An object that claims equality with everything (a hostile or careless `__eq__`)."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    __hash__ = object.__hash__
-
-
-def test_remove_within_a_shared_tick_removes_that_very_object() -> None:
-    """Membership is by identity, so removal is too: an earlier member of the bucket
-    that compares equal to the one removed stays indexed."""
-    index: LRUIndex[_Item] = LRUIndex()
-    a, b, c = _EqualToAll(4, 1), _EqualToAll(4, 2), _EqualToAll(4, 3)
-    for item in (a, b, c):
-        index.add(item)
-    index.remove(b)
-    assert [x is y for x, y in zip(index, [a, c], strict=True)] == [True, True]
-    assert a in index and b not in index and c in index and len(index) == 2
+def test_members_are_compared_by_equality_so_node_ids_are_found_by_value() -> None:
+    """Node ids are members by value: an equal `int` made elsewhere (another object
+    above the small-int cache) is the same member, for `in` and `remove`, in a
+    single-member bucket and in a shared one. Ticks and serials are read through
+    the given functions, as from a node table's columns."""
+    ticks = {10**12 + 1: 4, 10**12 + 2: 4, 10**12 + 3: 5}
+    index: LRUIndex[int] = LRUIndex(ticks.__getitem__, lambda node: node)
+    for node in ticks:
+        index.add(node)
+    again = [int(str(node)) for node in ticks]  # equal values, other objects
+    assert all(a is not b and a == b for a, b in zip(again, ticks, strict=True))
+    assert all(node in index for node in again)
+    index.remove(again[1])  # from the shared bucket of tick 4
+    index.remove(again[2])  # the single-member bucket of tick 5
+    assert list(index) == [10**12 + 1] and len(index) == 1
     with pytest.raises(KeyError) as raised:
-        index.remove(b)
-    assert raised.value.args[0] is b
-    assert len(index) == 2
+        index.remove(again[1])
+    assert raised.value.args == (again[1],)
+    assert raised.value.__context__ is None

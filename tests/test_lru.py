@@ -65,17 +65,3 @@ def test_removing_an_absent_member_raises_key_error() -> None:
     with pytest.raises(KeyError):
         index.remove(c)  # same tick, not a member of the two-member bucket
     assert list(index) == [a, b]
-
-
-def test_older_is_the_index_order() -> None:
-    """`older` (what eviction compares a parent with) agrees with the index's order."""
-    from cache.lru import older
-
-    items = [_Item(t, s) for t, s in [(2, 1), (1, 3), (1, 2), (3, 0)]]
-    index: LRUIndex[_Item] = LRUIndex()
-    for item in items:
-        index.add(item)
-    ordered = list(index)
-    for i, a in enumerate(ordered):
-        for j, b in enumerate(ordered):
-            assert older(a, b) == (i < j)
