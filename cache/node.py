@@ -2,13 +2,14 @@
 
 A node is an `int`: its row in the `NodeTable` of its trie. There is no Python
 object per cached block: every fact about a node is one entry of a column
-indexed by its id (`array`s of machine ints, a `bytearray` of token ids, and
-lists of shared `str` states), so a cached block costs about 140 bytes of
-host memory and nothing for the garbage collector to walk (issue 13).
+indexed by its id (`array`s of machine ints, a `bytearray` of token ids, one
+byte of lifecycle state), so a cached block costs about 130 bytes of host
+memory and nothing for the garbage collector to walk (issue 13).
 
-The trie (`cache.trie`) and the modules it delegates to own every mutation;
-the table holds state and the few operations that keep its links consistent
-(`attach_child`, `detach_child`, `new`, `release`).
+The trie (`cache.trie`) and the modules it delegates to decide every change;
+the table holds the columns and the few operations that keep its rows and
+links consistent (`new`, `new_chain`, `attach_child`, `detach_child`,
+`release`).
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ class NodeTable:
     `wide` key with `==`. Rows are handed out by `new` / `new_chain` and
     returned by `release`; the table grows (doubling) when every row is in use.
     A column the trie's configuration never varies is a `Constant` (no host
-    tier: `host`, `residency`; events off: `block_hash`). About 120 bytes a
-    row, with neither.
+    tier: `host`, `residency`; events off: `block_hash`): about 110 bytes a
+    row then (the KV pool's counts and the evictor's owner map add about 12
+    per block).
     """
 
     __slots__ = (
@@ -307,9 +309,9 @@ class NodeTable:
         """Rows for a chain of new nodes under `parent` (the commit hot path), linked
         in: node `j` has key `keys[start + j]`, block `blocks[j]`, serial
         `serial + j`, hash `hashes[j]` (0 when `hashes` is None: events off), and
-        is the only child of node `j - 1`
-        (the first one is `parent`'s newest child). Each is a leaf of `device`
-        residency with no host block, in `parent`'s namespace, at `tick`."""
+        is the only child of node `j - 1` (the first one is `parent`'s newest
+        child). Each is in state `state`, `device` residency with no host block,
+        in `parent`'s namespace, at `tick`; the last one is a leaf."""
         nodes = self._take(len(blocks))
         code = state_code(state)
         namespace = self.namespace[parent]  # its index in `names`
@@ -444,8 +446,7 @@ class NodeTable:
         return len(self.kids[node])
 
     def is_leaf(self, node: Node) -> bool:
-        """Whether `node` has no child (a root never counts as one here: see
-        `child_count`)."""
+        """Whether `node` has no child (a root without children is one too)."""
         only = self.child[node]
         return only == NO_CHILD or (only == MANY and not self.kids[node])
 
