@@ -202,3 +202,22 @@ def test_a_host_slot_asked_of_a_store_without_host_slots_is_an_invariant_violati
         "host tier",
         "a host checkpoint slot without a host tier",
     )
+
+
+def test_a_checkpoint_keeps_its_tail_identity_and_only_that_identity_hits_it() -> None:
+    trie, copies = ssm_trie(num_blocks=16, slots=2)
+    assert copies is not None
+    seq = _prefill(trie, [1, 2, 3, 4, 5, 6], extra=("a", "b"))
+    trie.save(seq, 6, state(1.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    (view,) = trie.snapshot()["checkpoints"].values()
+    assert (view["tail"], view["tail_extra"]) == ((5, 6), "b")
+    other = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "c"))
+    assert other.restore is None
+    trie.abort(other)
+    same = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "b"))
+    assert same.restore is not None and same.restore.step == 6
+    trie.abort(same)
+    trie.check()

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from cache.keys import HashedKey, pack_tokens
 from cache.node import MANY, NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_name
-from tests.helpers import ssm_trie, state
 
 B = 2  # block size: plain keys are 8 bytes
 
@@ -166,24 +165,3 @@ def test_a_node_prints_as_its_serial_namespace_block_and_state() -> None:
     node = _child(table, root, KEYS[0], 7)
     assert table.describe(node) == "<Node #7 ns='' block=7 cached>"
     assert str(table.named(node)) == table.describe(node)
-
-
-def test_a_checkpoint_keeps_its_tail_identity_and_only_that_identity_hits_it() -> None:
-    trie, copies = ssm_trie(num_blocks=16, slots=2)
-    assert copies is not None
-    seq = trie.match([1, 2, 3, 4, 5, 6], extra=("a", "b"))
-    trie.allocate(seq, 6)
-    trie.commit(seq, 6)
-    trie.save(seq, 6, state(1.0))
-    copies.complete_all()
-    trie.poll()
-    trie.release(seq)
-    (view,) = trie.snapshot()["checkpoints"].values()
-    assert (view["tail"], view["tail_extra"]) == ((5, 6), "b")
-    other = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "c"))
-    assert other.restore is None
-    trie.abort(other)
-    same = trie.match([1, 2, 3, 4, 5, 6, 7], extra=("a", "b"))
-    assert same.restore is not None and same.restore.step == 6
-    trie.abort(same)
-    trie.check()
