@@ -283,6 +283,8 @@ class Evictor:
             while freed + written + pending + len(backing) < n and index:
                 node = index.oldest()
                 index.remove(node)
+                oldest = NO_NODE  # the index's oldest, read once when first needed:
+                # nothing enters the index while this chain is freed
                 while True:
                     parent = parents[node]
                     if tiered and residency[node] != _DEVICE:
@@ -307,7 +309,8 @@ class Evictor:
                         and state[parent] != _EVICTABLE
                     ):
                         if index:  # [R10]: only if older than every indexed leaf
-                            oldest = index.oldest()
+                            if oldest == NO_NODE:
+                                oldest = index.oldest()
                             older = ticks[parent] < ticks[oldest] or (
                                 ticks[parent] == ticks[oldest] and serials[parent] < serials[oldest]
                             )
