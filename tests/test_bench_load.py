@@ -124,3 +124,35 @@ def test_bench_run_refuses_bad_limits(value: str) -> None:
     with pytest.raises(SystemExit) as exc:
         run.build_parser().parse_args(["--max-other-cores", value])
     assert exc.value.code == 2
+
+
+def test_eviction_sizes_take_turns_and_small_caches_are_built_again() -> None:
+    """`bench.run._evict_round_robin`: every size evicts the blocks asked for, in
+    turns (one `evict` call per size per turn, so drift lands on all alike); a
+    cache that has given half its blocks is built again, and a cache with
+    nothing to evict ends its size instead of looping."""
+    from bench import run
+    from bench.baseline import DictTrie
+
+    calls: list[int] = []
+    built: list[int] = []
+
+    def make(b: int, capacity: int) -> DictTrie:
+        built.append(capacity)
+        cache = DictTrie(b, capacity)
+        evict = cache.evict
+
+        def spy(n: int) -> int:
+            calls.append(capacity)
+            return int(evict(n))
+
+        cache.evict = spy  # type: ignore[method-assign,assignment]
+        return cache
+
+    timed = run._evict_round_robin(make, [64, 512, 8], 2, 16, 8, 96)
+    assert {n: freed for n, (_, freed, _) in timed.items()} == {64: 96, 512: 96, 8: 0}
+    assert all(per > 0 for n, (per, _, _) in timed.items() if n != 8)
+    assert built.count(64 + 16) == 3  # 32 blocks per build: three builds for 96
+    assert built.count(512 + 16) == 1 and built.count(8 + 16) == 1
+    first_turns = calls[:3]
+    assert sorted(first_turns) == sorted([64 + 16, 512 + 16, 8 + 16])  # one call each
