@@ -443,7 +443,7 @@ COPY = _build("copy", [s.value for s in CopyState], CopyState.QUEUED.value, COPY
 RESIDENCY = _build(
     "residency", [s.value for s in Residency], Residency.DEVICE.value, RESIDENCY_TRANSITIONS
 )
-"""The KV residency lifecycle (`Node.residency`), for tries with a host tier."""
+"""The KV residency lifecycle (a node's `residency` column), for tries with a host tier."""
 LIFECYCLES: tuple[Lifecycle, ...] = (NODE, RESIDENCY, CHECKPOINT, RECEIPT, COPY)
 """Every lifecycle, in the order the generated lifecycle page draws them."""
 
