@@ -157,6 +157,7 @@ class NodeTable:
         "fresh",
         "host",
         "kids",
+        "limit",
         "names",
         "namespace",
         "parent",
@@ -170,16 +171,26 @@ class NodeTable:
     )
 
     def __init__(
-        self, block_size: int, capacity: int, hashes: str = "u64", host_tier: bool = True
+        self,
+        block_size: int,
+        capacity: int,
+        hashes: str = "u64",
+        host_tier: bool = True,
+        initial: int | None = None,
     ) -> None:
-        """`capacity` rows to start with. `hashes`: `"u64"` (an `array("Q")`),
+        """Rows for `capacity` nodes (what the trie can hold: the table grows past it
+        only when asked for more, as for a new namespace's root); `initial` of them
+        are made now (default: all), the rest as nodes need them, doubling, so a
+        large pool that is never filled costs what it holds. `hashes`: `"u64"` (an `array("Q")`),
         `"wide"` (a list of ints: a scheme whose chain runs on digests wider than 64
         bits, vLLM's) or `"none"` (events off: every hash is 0, and no column is
         kept). Without `host_tier` every node is `device` with no host block, and
         neither column is kept."""
         if hashes not in ("u64", "wide", "none"):
             raise ValueError(f"hashes must be 'u64', 'wide' or 'none', got {hashes!r}")
-        capacity = max(capacity, 1)
+        self.limit = max(capacity, 1)
+        """Rows the table grows to in doubling steps (`capacity`); past it, as needed."""
+        capacity = self.limit if initial is None else max(1, min(initial, self.limit))
         self.width = 4 * block_size
         """Bytes of one plain key (`block_size` uint32 token ids)."""
         # Every column is built at its exact size (growing one by `extend` would
@@ -245,7 +256,10 @@ class NodeTable:
             fresh = self.fresh
             need = count - reused
             if fresh + need > self.capacity:
-                self._grow(max(self.capacity, need))
+                more = max(self.capacity, need)  # doubling
+                if self.capacity < self.limit:  # but not past the limit unless needed
+                    more = min(more, max(self.limit - self.capacity, need))
+                self._grow(more)
             rows.extend(range(fresh, fresh + need))
             self.fresh = fresh + need
         return rows

@@ -90,6 +90,8 @@ _EVICTABLE = state_code(NodeState.EVICTABLE.value)  # as `NodeTable.state` store
 _CACHED = NodeState.CACHED.value
 _ROOT = NodeState.ROOT.value
 _LOADING = Residency.LOADING.value
+_ROWS_UP_FRONT = 1 << 23
+"""A node table this big or smaller is made whole with the trie (see `__init__`)."""
 _LOAD_FAILED = ResidencyTrigger.LOAD_FAILED.value  # a copy undone never delivered
 _STORE_FAILED = ResidencyTrigger.STORE_FAILED.value
 
@@ -167,10 +169,14 @@ class BlockTrie:
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
         # Every node needs a device or a host block, but roots: room for all of
-        # them and a few namespaces (the table grows past that).
+        # them and a few namespaces (the table grows past that). Made up front (as
+        # the pools are) up to 2^23 rows, about 0.9 GB; past that, as needed, so a
+        # planner's oversized pool costs what it holds.
+        rows = config.num_blocks + config.num_host_blocks + 8
         self._nodes = NodeTable(
             config.block_size,
-            config.num_blocks + config.num_host_blocks + 8,
+            rows,
+            initial=rows if rows <= _ROWS_UP_FRONT else _ROWS_UP_FRONT // 8,
             hashes=(
                 "none"
                 if not config.enable_events

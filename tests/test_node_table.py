@@ -165,3 +165,19 @@ def test_a_node_prints_as_its_serial_namespace_block_and_state() -> None:
     node = _child(table, root, KEYS[0], 7)
     assert table.describe(node) == "<Node #7 ns='' block=7 cached>"
     assert str(table.named(node)) == table.describe(node)
+
+
+def test_rows_are_made_as_needed_up_to_the_capacity_then_past_it_only_when_asked() -> None:
+    """A table for a large pool makes `initial` rows, doubles as nodes need more,
+    stops at `capacity` (what the trie can hold), and grows past it only for a row
+    asked beyond it (a new namespace's root)."""
+    table = NodeTable(B, 100, initial=8)
+    assert (table.capacity, table.limit) == (8, 100)
+    sizes = []
+    for row in range(100):
+        assert table._take(1) == [row]
+        sizes.append(table.capacity)
+    assert sorted(set(sizes)) == [8, 16, 32, 64, 100]
+    assert table._take(1) == [100] and table.capacity == 200  # past the capacity
+    assert len(table.tokens) == 200 * table.width and len(table.serial) == 200
+    assert len(table.state) == len(table.tick) == len(table.parent) == 200
