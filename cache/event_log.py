@@ -133,30 +133,34 @@ class EventLog:
         finally:
             self.enabled = enabled
 
-    def chain_hashes(self, parent: Node, keys: Sequence[Hashable], plain: bool) -> list[int]:
+    def chain_hashes(
+        self, parent: Node, keys: Sequence[Hashable], start: int, stop: int, plain: bool
+    ) -> list[int] | None:
         """The block hashes of a chain of new blocks under `parent`, parent first:
-        what a commit gives the nodes it attaches (all 0 without a hasher).
+        what a commit gives the nodes it attaches; None without a hasher (events
+        off: the nodes' hashes stay 0 and nothing is computed).
 
-        `keys` are the blocks' keys (`cache.keys.block_key`), which carry each
-        block's packed token ids and extra identity; `plain` says every key is
-        its packed token bytes (no extra identity, no injected key hash), which
-        the `xxh3` scheme hashes in one C call per block.
+        `keys[start:stop]` are the blocks' keys (`cache.keys.block_key`), which
+        carry each block's packed token ids and extra identity; `plain` says
+        every key is its packed token bytes (no extra identity, no injected key
+        hash), which the `xxh3` scheme hashes in one C call per block.
         """
         if self.hasher is None:
-            return [0] * len(keys)
+            return None
         t = self._table()
         h = t.block_hash[parent]
         hashes: list[int] = []
         append = hashes.append
         digest = self.plain_digest
         if plain and digest is not None:
-            for key in keys:
-                h = digest(key, h)  # type: ignore[arg-type]  # plain: bytes
+            for i in range(start, stop):
+                h = digest(keys[i], h)  # type: ignore[arg-type]  # plain: bytes
                 append(h)
             return hashes
         chain = self.chain_packed
         namespace = t.namespace_of(parent)
-        for key in keys:
+        for i in range(start, stop):
+            key = keys[i]
             h = chain(h, key_packed(key), key_extra(key), namespace)  # type: ignore[misc]
             append(h)
         return hashes
@@ -164,7 +168,7 @@ class EventLog:
     def stored(
         self,
         nodes: Sequence[Node],
-        hashes: list[int],
+        hashes: list[int] | None,
         keys: Sequence[Hashable],
         blocks: Sequence[int],
         first: int,
@@ -178,7 +182,7 @@ class EventLog:
         `nodes[i]` (the commit's keys and block table, read here, while they are
         still hot in the CPU's caches).
         """
-        if not self.enabled or not nodes:
+        if not self.enabled or not nodes or hashes is None:
             return
         parent_hash = self._parent_hash(nodes[0])
         namespace = self._table().namespace_of(nodes[0])

@@ -741,7 +741,7 @@ class BlockTrie:
                 if child < 0:  # [R19]: this block and every later one are new
                     # (a new node has no children): hash them, then attach them as
                     # one chain under `parent`
-                    hashes = self._events.chain_hashes(parent, keys[i:full], plain)
+                    hashes = self._events.chain_hashes(parent, keys, i, full, plain)
                     stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
                     path.extend(stored)
                     self._events.stored(stored, hashes, keys, seq.blocks, i, size)
@@ -888,7 +888,7 @@ class BlockTrie:
         stop: int,
         blocks: list[int],
         tick: int,
-        hashes: list[int],
+        hashes: list[int] | None,
     ) -> list[Node]:
         """Attach blocks `start..stop-1` of a commit (keys and blocks from the
         request's) as a chain of new nodes under `parent`, each the only child of
@@ -907,7 +907,7 @@ class BlockTrie:
             chain,
             serial + 1,
             tick,
-            hashes if self._events.hasher is not None else None,
+            hashes,
             _CACHED,
         )
         self._node_serial += stop - start
