@@ -1,7 +1,9 @@
 """The event log: what the trie tells the outside world about its cached blocks.
 
 Owns the list of emitted-but-undrained events and, for `check()`, the block set
-that the drained events replayed to, so invariant 10 ("replaying the events
+that the drained events replayed to (a `BlockBitmap`: a byte per block id, not
+a Python `set`, whose ~70 bytes a cached block would be a third of the cache's
+memory with events on), so invariant 10 ("replaying the events
 yields exactly the cached block set") can be checked at any time. When events
 are disabled every `emit_*` is a no-op and nothing accumulates.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import compress
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cache.events import (
@@ -56,6 +59,73 @@ if TYPE_CHECKING:
     from cache.node import Checkpoint, Node, NodeTable
 
 
+class BlockBitmap:
+    """A set of int block ids (or slots): a byte per id up to the largest added.
+
+    What `EventLog` replays drained events into for `check()` (invariant 10):
+    with events on, a `set[int]` of every cached block cost about 70 bytes a
+    block; this costs one byte per id of the pool. It has what `replay_views`
+    uses (`update`, `difference_update`, `clear`), with a set's meaning;
+    iterating gives the ids in increasing order. A negative id (which no pool
+    hands out) is kept in a small set beside the bytes, so a wrong event still
+    shows in `check()` as it would with a set.
+    """
+
+    __slots__ = ("_bits", "_negative")
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self._negative: set[int] = set()
+
+    def update(self, ids: Sequence[int], /) -> None:
+        """Add `ids`."""
+        if not ids:
+            return
+        if min(ids) < 0:
+            self._negative.update(i for i in ids if i < 0)
+            ids = [i for i in ids if i >= 0]
+            if not ids:
+                return
+        bits = self._bits
+        top = max(ids)
+        if top >= len(bits):
+            bits.extend(bytes(max(top + 1, 2 * len(bits)) - len(bits)))
+        for i in ids:
+            bits[i] = 1
+
+    def difference_update(self, ids: Sequence[int], /) -> None:
+        """Remove `ids` (those held; the others are ignored, as by a set)."""
+        bits = self._bits
+        size = len(bits)
+        for i in ids:
+            if 0 <= i < size:
+                bits[i] = 0
+            elif i < 0:
+                self._negative.discard(i)
+
+    def clear(self) -> None:
+        """Remove every id."""
+        self._bits = bytearray()
+        self._negative.clear()
+
+    def __iter__(self) -> Iterator[int]:
+        yield from sorted(self._negative)
+        yield from compress(range(len(self._bits)), self._bits)
+
+    def __len__(self) -> int:
+        return len(self._negative) + len(self._bits) - self._bits.count(0)
+
+    def __contains__(self, block: object) -> bool:
+        if type(block) is not int:
+            return False
+        if block < 0:
+            return block in self._negative
+        return block < len(self._bits) and self._bits[block] == 1
+
+    def __repr__(self) -> str:
+        return f"BlockBitmap({list(self)!r})"
+
+
 class EventLog:
     """Emitted events until drained. Single-threaded, like the trie that owns it.
 
@@ -84,12 +154,12 @@ class EventLog:
         self.nodes: NodeTable | None = None
         """The trie's nodes, which events name (set by the trie once it has them)."""
         self._events: list[Event | StoredRun] = []
-        self._drained_view: set[int] = set()
-        self._drained_checkpoints: set[int] = set()
-        self._drained_host: set[int] = set()
-        self._drained_host_checkpoints: set[int] = set()
+        self._drained_view = BlockBitmap()
+        self._drained_checkpoints = BlockBitmap()
+        self._drained_host = BlockBitmap()
+        self._drained_host_checkpoints = BlockBitmap()
         # (group_idx, medium) -> the drained view its events apply to (`replay_views`)
-        self._drained_views: dict[tuple[int, str], set[int]] = {
+        self._drained_views: dict[tuple[int, str], BlockBitmap] = {
             (KV_GROUP, MEDIUM_GPU): self._drained_view,
             (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
             (KV_GROUP, MEDIUM_CPU): self._drained_host,

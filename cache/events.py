@@ -15,7 +15,7 @@ The fields past the original ones carry what vLLM's wire schema needs
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "CHECKPOINT_GROUP",
@@ -25,6 +25,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "AllBlocksCleared",
+    "BlockIds",
     "BlockRemoved",
     "BlockStored",
     "Event",
@@ -110,7 +111,18 @@ def replay(
     return out
 
 
-def replay_views(events: Iterable[Event], views: Mapping[tuple[int, str], set[int]]) -> None:
+class BlockIds(Protocol):
+    """What `replay_views` applies events to: a `set[int]`, or anything with its
+    `update` / `difference_update` / `clear` (`cache.event_log.BlockBitmap`)."""
+
+    def update(self, ids: Sequence[int], /) -> None: ...
+
+    def difference_update(self, ids: Sequence[int], /) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+def replay_views(events: Iterable[Event], views: Mapping[tuple[int, str], BlockIds]) -> None:
     """`replay` into several block sets in one pass: `views` maps (group_idx, medium)
     to the set that events of that group and medium apply to; events of any other
     pair are skipped, and `AllBlocksCleared` clears every set."""

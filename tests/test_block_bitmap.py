@@ -1,0 +1,57 @@
+"""`cache.event_log.BlockBitmap`: the drained views `check()` replays events into.
+
+It must mean exactly what the `set[int]` it replaced meant (invariant 10 is
+checked against it), whatever order ids are added, removed and cleared in,
+negative ids included; and it must cost about a byte per id, not a set's ~70.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache.event_log import BlockBitmap
+from cache.events import BlockRemoved, BlockStored, replay_views
+
+_IDS = st.lists(st.integers(-3, 40), max_size=6)
+_STEPS = st.lists(st.tuples(st.sampled_from(["update", "difference_update", "clear"]), _IDS))
+
+
+@given(_STEPS)
+def test_a_bitmap_holds_what_a_set_holds(steps: list[tuple[str, list[int]]]) -> None:
+    bitmap, reference = BlockBitmap(), set[int]()
+    for op, ids in steps:
+        if op == "clear":
+            bitmap.clear()
+            reference.clear()
+        else:
+            getattr(bitmap, op)(ids)
+            getattr(reference, op)(ids)
+        assert list(bitmap) == sorted(reference)
+        assert len(bitmap) == len(reference)
+        for i in range(-4, 42):
+            assert (i in bitmap) == (i in reference)
+
+
+def test_replay_views_applies_events_to_a_bitmap_as_to_a_set() -> None:
+    events = [
+        BlockStored((1, 2, 3), (7, 3, 9), None, (), 16, ""),
+        BlockRemoved((2, 4), (3, 100), ""),
+        BlockStored((5,), (0,), 3, (), 16, ""),
+    ]
+    bitmap, reference = BlockBitmap(), set[int]()
+    replay_views(events, {(0, "GPU"): bitmap})
+    replay_views(events, {(0, "GPU"): reference})
+    assert list(bitmap) == sorted(reference) == [0, 7, 9]
+    assert "7" not in bitmap and 7.0 not in bitmap  # ids are ints
+
+
+def test_a_bitmap_costs_about_a_byte_per_id() -> None:
+    bitmap = BlockBitmap()
+    n = 1 << 17
+    for start in range(0, n, 16):
+        bitmap.update(list(range(start, start + 16)))
+    assert len(bitmap) == n
+    assert sys.getsizeof(bitmap._bits) < 2.1 * n  # a set of as many ints: ~70 bytes each
