@@ -265,6 +265,19 @@ def test_prefix_count_handles_namespaces() -> None:
     assert count_prefix_hits(w, 2).hit_tokens == 4  # only the third request hits (2 blocks)
 
 
+def test_prefix_count_with_ids_past_32_bits_matches_brute_force() -> None:
+    big = 1 << 40
+    prompts = [[1, 2, 3, 4, 5], [1, 2, big, 4, 5, 6], [1, 2, big, 4, 7], [1, 2, 3, 4, 5, 6], [9]]
+    reqs = [Request(p, [8, big + 1, 8], "") for p in prompts]
+    w: Workload[Request] = Workload(
+        "wide", reqs, lambda _i, r: r, [len(p) for p in prompts], [0] * len(prompts)
+    )
+    for block_size in (1, 2, 3):
+        count = count_prefix_hits(w, block_size)
+        assert (count.hit_tokens, count.prompt_tokens) == naive_hits(w, block_size)
+        assert count.hit_tokens > 0
+
+
 # ---------------------------------------------------------------- replay
 
 

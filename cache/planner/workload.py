@@ -377,8 +377,10 @@ class _Prefixes:
     def add(self, parent: int, packed: bytes) -> int:
         """The row of `parent` + the block packed as `packed`, made if new."""
         row = self.find(parent, packed)
-        if row >= 0:
-            return row
+        return row if row >= 0 else self._attach(parent, packed)
+
+    def _attach(self, parent: int, packed: bytes) -> int:
+        """A new row for `parent` + `packed` (which `parent` must not have yet)."""
         row = self._row(packed)
         self.distinct += 1
         only = self.child[parent]
@@ -390,6 +392,31 @@ class _Prefixes:
         else:
             self.kids[parent][packed] = row
         return row
+
+    def commit(self, root: int, blocks: Sequence[int], block_size: int) -> int:
+        """Add every whole-block prefix of `blocks` under `root`; returns how many
+        of them were there before (the leading blocks an earlier commit made).
+
+        One walk: the blocks are packed in one call when every id fits 32 bits,
+        and past the first new block every later prefix is new too (a new row
+        has no children), so those are attached without a lookup.
+        """
+        n = len(blocks) // block_size
+        width = self.width
+        try:
+            buf = array("I", blocks[: n * block_size]).tobytes()
+            keys = [buf[at : at + width] for at in range(0, n * width, width)]
+        except OverflowError:  # an id past 32 bits: each block packs by its own ids
+            keys = [self.pack(blocks[i * block_size : (i + 1) * block_size]) for i in range(n)]
+        prefix = root
+        for i, packed in enumerate(keys):
+            row = self.find(prefix, packed)
+            if row < 0:
+                for rest in keys[i:]:
+                    prefix = self._attach(prefix, rest)
+                return i
+            prefix = row
+        return n
 
     def _packed(self, row: int) -> bytes:
         wide = self.wide.get(row)
@@ -417,7 +444,6 @@ def count_prefix_hits(
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     prefixes = _Prefixes(block_size)
-    pack = prefixes.pack
     hit_tokens = 0
     prompt_tokens = 0
     max_blocks = 0
@@ -429,23 +455,14 @@ def count_prefix_hits(
             progress(requests)
         prompt = req.prompt
         prompt_tokens += len(prompt)
-        root = prefixes.root(req.namespace)
-        limit = (len(prompt) - 1) // b
-        prefix = root
-        hit = 0
-        for i in range(limit):
-            prefix = prefixes.find(prefix, pack(prompt[i * b : (i + 1) * b]))
-            if prefix < 0:
-                break
-            hit += 1
-        hit_tokens += hit * b
         output = req.output if max_decode_tokens is None else req.output[:max_decode_tokens]
         full = [*prompt, *output]
-        nblocks = len(full) // b
         max_blocks = max(max_blocks, -(-len(full) // b))
-        prefix = root
-        for i in range(nblocks):
-            prefix = prefixes.add(prefix, pack(full[i * b : (i + 1) * b]))
+        # The prompt's first blocks are the committed sequence's first blocks, so
+        # the prefixes earlier requests made are what this request hits (at most
+        # `limit` blocks: one prompt token is left to compute).
+        known = prefixes.commit(prefixes.root(req.namespace), full, b)
+        hit_tokens += max(0, min(known, (len(prompt) - 1) // b)) * b
     if progress is not None:
         progress(requests)
     return PrefixCount(requests, prompt_tokens, hit_tokens, prefixes.distinct, max_blocks)
