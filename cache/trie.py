@@ -741,10 +741,23 @@ class BlockTrie:
                 if child < 0:  # [R19]: this block and every later one are new
                     # (a new node has no children): hash them, then attach them as
                     # one chain under `parent`
-                    hashes = self._events.chain_hashes(parent, keys, i, full, plain)
+                    events = self._events
+                    parent_hash = t.block_hash[parent]
+                    hashes = events.chain_hashes(parent_hash, keys, i, full, plain, seq.namespace)
                     stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
                     path.extend(stored)
-                    self._events.stored(stored, hashes, keys, seq.blocks, i, size)
+                    if hashes is not None:
+                        under_root = t.is_root(parent)
+                        events.stored(
+                            None if under_root else parent_hash,
+                            hashes,
+                            keys,
+                            seq.blocks,
+                            i,
+                            full,
+                            size,
+                            seq.namespace,
+                        )
                     break
                 if block_of[child] == NO_BLOCK:  # [R49]
                     self._adopt(child, seq.blocks[i], tick)
