@@ -459,8 +459,8 @@ def count_prefix_hits(
         full = [*prompt, *output]
         max_blocks = max(max_blocks, -(-len(full) // b))
         # The prompt's first blocks are the committed sequence's first blocks, so
-        # the prefixes earlier requests made are what this request hits (at most
-        # `limit` blocks: one prompt token is left to compute).
+        # the prefixes earlier requests made are what this request hits, capped so
+        # that one prompt token is left to compute.
         known = prefixes.commit(prefixes.root(req.namespace), full, b)
         hit_tokens += max(0, min(known, (len(prompt) - 1) // b)) * b
     if progress is not None:
