@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from hypothesis import given
+import pytest
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cache.event_log import BlockBitmap
@@ -20,6 +21,8 @@ _STEPS = st.lists(st.tuples(st.sampled_from(["update", "difference_update", "cle
 
 
 @given(_STEPS)
+@example([("update", [0, -1]), ("difference_update", [-1, 1])])  # past the end; a negative
+@example([("update", [-2]), ("difference_update", [-2])])
 def test_a_bitmap_holds_what_a_set_holds(steps: list[tuple[str, list[int]]]) -> None:
     bitmap, reference = BlockBitmap(), set[int]()
     for op, ids in steps:
@@ -45,6 +48,7 @@ def test_replay_views_applies_events_to_a_bitmap_as_to_a_set() -> None:
     replay_views(events, {(0, "GPU"): bitmap})
     replay_views(events, {(0, "GPU"): reference})
     assert list(bitmap) == sorted(reference) == [0, 7, 9]
+    assert repr(bitmap) == "BlockBitmap([0, 7, 9])"
     assert "7" not in bitmap and 7.0 not in bitmap  # ids are ints
 
 
@@ -54,4 +58,15 @@ def test_a_bitmap_costs_about_a_byte_per_id() -> None:
     for start in range(0, n, 16):
         bitmap.update(list(range(start, start + 16)))
     assert len(bitmap) == n
-    assert sys.getsizeof(bitmap._bits) < 2.1 * n  # a set of as many ints: ~70 bytes each
+    assert sys.getsizeof(bitmap._bits) < 1.2 * n  # a set of as many ints: ~70 bytes each
+
+
+@pytest.mark.parametrize(
+    ("batches", "size"),
+    [([[0]], 1), ([[5]], 6), ([[0], [1]], 2), ([[0], [1], [2]], 4), ([[3], [4], [20]], 21)],
+)
+def test_a_bitmap_grows_to_the_largest_id_or_doubles(batches: list[list[int]], size: int) -> None:
+    bitmap = BlockBitmap()
+    for ids in batches:
+        bitmap.update(ids)
+    assert len(bitmap._bits) == size

@@ -330,3 +330,20 @@ def test_a_commit_whose_keys_are_not_plain_names_its_parent_and_namespace(
     assert len(second.block_hashes) == len(second.block_ids) == 2
     assert list(second.token_ids) == tokens[8:16]
     trie.check()
+
+
+def test_a_log_without_its_trie_says_so() -> None:
+    log = EventLog(True)
+    with pytest.raises(RuntimeError, match="EventLog: the trie has not given it its nodes"):
+        log.host_stored([0])
+
+
+def test_a_muted_log_or_an_empty_run_records_no_stored_block() -> None:
+    log = EventLog(True)
+    key = pack_tokens(range(4))
+    with log.muted():
+        log.stored(None, [7], [key], [3], 0, 1, 4, "")
+    log.stored(None, [], [key], [3], 1, 1, 4, "")
+    assert log.drain() == []
+    log.stored(None, [7], [key], [3], 0, 1, 4, "")
+    assert [e.block_ids for e in log.drain()] == [(3,)]
