@@ -742,8 +742,14 @@ class BlockTrie:
                     # (a new node has no children): hash them, then attach them as
                     # one chain under `parent`
                     events = self._events
-                    parent_hash = t.block_hash[parent]
-                    hashes = events.chain_hashes(parent_hash, keys, i, full, plain, seq.namespace)
+                    hashes = None
+                    parent_hash = 0
+                    if events.hasher is not None:  # events on (else `block_hash` is
+                        # a `Constant`, whose reads cost a Python call)
+                        parent_hash = t.block_hash[parent]
+                        hashes = events.chain_hashes(
+                            parent_hash, keys, i, full, plain, seq.namespace
+                        )
                     stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
                     path.extend(stored)
                     if hashes is not None:
