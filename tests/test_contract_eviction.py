@@ -471,3 +471,14 @@ def test_write_back_eviction_counts_the_stores_finished_in_earlier_rounds() -> N
     assert mirrored.residency == Residency.HOST.value
     assert (grand.residency, grand.state) == (Residency.DEVICE.value, "evictable")
     trie.check()
+
+
+def test_adopt_all_refuses_nodes_and_blocks_of_different_lengths() -> None:
+    """`adopt_all` pairs nodes with blocks by index (not a strict zip), so it checks
+    their lengths itself, before it records an owner or counts a cached node."""
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4, kv_block_shape=None))
+    evictor = trie._evictor
+    owners, cached = list(evictor.owner), evictor.num_cached
+    with pytest.raises(ValueError, match="2 nodes for 1 blocks"):
+        evictor.adopt_all([1, 2], [0])
+    assert (list(evictor.owner), evictor.num_cached) == (owners, cached)

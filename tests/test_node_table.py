@@ -181,3 +181,18 @@ def test_rows_are_made_as_needed_up_to_the_capacity_then_past_it_only_when_asked
     assert table._take(1) == [100] and table.capacity == 200  # past the capacity
     assert len(table.tokens) == 200 * table.width and len(table.serial) == 200
     assert len(table.state) == len(table.tick) == len(table.parent) == 200
+
+
+def test_new_chain_refuses_a_hash_count_that_is_not_one_per_block() -> None:
+    """`new_chain` checks its hashes against its blocks before writing any row (its
+    loop is indexed, not a strict zip, so the check is its own)."""
+    table = NodeTable(B, 8, hashes="u64")
+    root = table.new(NO_NODE, None, NO_BLOCK, -1, 0, 0, "root", "")
+    keys = [pack_tokens([1, 2]), pack_tokens([3, 4])]
+    used = table.num_used
+    with pytest.raises(ValueError, match="1 hashes for 2 blocks"):
+        table.new_chain(root, keys, 0, [5, 6], 1, 1, [11], "cached")
+    assert table.num_used == used and table.child_nodes(root) == []
+    a, b = table.new_chain(root, keys, 0, [5, 6], 1, 1, [11, 12], "cached")
+    assert (table.block_hash[a], table.block_hash[b]) == (11, 12)
+    assert (table.block[a], table.block[b]) == (5, 6) and table.parent[b] == a
