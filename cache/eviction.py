@@ -155,7 +155,7 @@ class Evictor:
         if len(nodes) != len(blocks):
             raise ValueError(f"adopt_all: {len(nodes)} nodes for {len(blocks)} blocks")
         owner = self.owner
-        for j, block in enumerate(blocks):  # not a strict zip: ~40 ns more per block
+        for j, block in enumerate(blocks):  # indexed: a strict zip costs ~40 ns more a block
             owner[block] = nodes[j]
         self.num_cached += len(nodes)
 
