@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
 # Node states as `NodeTable.state` stores them (one-byte codes).
 _EVICTABLE = state_code(NodeState.EVICTABLE.value)
+_NONE_INDEXED = -2
+"""`Evictor._evict`'s oldest indexed leaf when the index is empty (no node id)."""
 _ROOT = state_code(NodeState.ROOT.value)
 _EVICTABLE_NAME = NodeState.EVICTABLE.value
 _FREE = NodeTrigger.FREE.value  # the plain str: table lookups skip the enum's Python __hash__
@@ -281,12 +283,26 @@ class Evictor:
         tiered = self.host is not None  # else every node is `device`
         write_back = self.write_back
         backing: list[Node] = []
+        # Device only, no checkpoint (an attention-only trie without a host tier:
+        # none appears while this runs): `_free` and `_implied` are inlined below
+        # for the node the step frees and its parent, with their checks; a fact
+        # the inlined form does not cover goes to the method, which decides it.
+        inline = not tiered and not t.checkpoint
+        child = t.child
+        blocks = t.block
+        owner = self.owner
+        free_rows = t.free_rows
+        refs = self._kv.refs
+        decref = self._kv.decref
+        freed_from = _FREED_FROM
+        settled = _SETTLED
         while True:
             while freed + written + pending + len(backing) < n and index:
                 node = index.oldest()
                 index.remove(node)
-                oldest = NO_NODE  # the index's oldest, read once when first needed:
-                # nothing enters the index while this chain is freed
+                oldest = NO_NODE  # the index's oldest (or `_NONE_INDEXED`), read once
+                # when first needed: nothing enters or leaves the index while this
+                # chain is freed
                 while True:
                     parent = parents[node]
                     if tiered and residency[node] != _DEVICE:
@@ -299,10 +315,38 @@ class Evictor:
                             removed.append(
                                 (t.block_hash[node], t.block[node], t.namespace_of(node))
                             )
-                        freed += self._free(node)
+                        freed_state = freed_from.get(state[node]) if inline else None
+                        if freed_state is None or parent == NO_NODE:
+                            freed += self._free(node)  # all of it, or its error
+                        else:  # `_free`, inlined: a device leaf, no checkpoint
+                            if child[parent] == node:
+                                child[parent] = NO_CHILD
+                            else:
+                                t.detach_child(parent, node)
+                            block = blocks[node]
+                            owner[block] = NO_NODE
+                            self.num_cached -= 1
+                            state[node] = freed_state
+                            parents[node] = NO_NODE
+                            if t.wide:
+                                t.wide.pop(node, None)
+                            free_rows.append(node)
+                            if decref(block):
+                                freed += 1
                     if parent == NO_NODE or state[parent] == _ROOT:
                         break
-                    dest = self._implied(parent)
+                    dest = -1
+                    if inline:  # `_implied`, inlined: no offloaded child, no checkpoint
+                        block = blocks[parent]
+                        leaf = child[parent] == NO_CHILD
+                        dest = settled.get(
+                            (state[parent], leaf, refs[block], 0, True)
+                            if block != NO_BLOCK
+                            else (state[parent], leaf, 0, 0, False),
+                            -1,
+                        )
+                    if dest < 0:
+                        dest = self._implied(parent)  # derives (and memoizes) or refuses
                     if dest == state[parent]:
                         break
                     if (
@@ -310,14 +354,14 @@ class Evictor:
                         and freed + written + pending + len(backing) < n
                         and state[parent] != _EVICTABLE
                     ):
-                        if index:  # [R10]: only if older than every indexed leaf
-                            if oldest == NO_NODE:
-                                oldest = index.oldest()
-                            older = ticks[parent] < ticks[oldest] or (
+                        if oldest == NO_NODE:  # [R10]: only if older than every indexed leaf
+                            oldest = index.oldest() if index else _NONE_INDEXED
+                        older = oldest == _NONE_INDEXED or (
+                            ticks[parent] < ticks[oldest]
+                            or (
                                 ticks[parent] == ticks[oldest] and serials[parent] < serials[oldest]
                             )
-                        else:
-                            older = True
+                        )
                         if older:
                             state[parent] = dest
                             node = parent

@@ -16,9 +16,17 @@ from functools import partial
 import pytest
 import torch
 
-from cache import BlockTrie, CacheConfig, IllegalTransition, ManualCopies, OutOfBlocks, Sequence
+from cache import (
+    BlockTrie,
+    CacheConfig,
+    IllegalTransition,
+    ManualCopies,
+    OutOfBlocks,
+    Sequence,
+    eviction,
+)
 from cache.keys import pack_tokens
-from cache.node import NO_BLOCK, NO_NODE
+from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, state_code
 from spec.errors import InvariantViolation
 from spec.lifecycle import NODE, NodeState, NodeTrigger, Residency
 from tests.helpers import NodeRef, frozen, root_of, ssm_trie, state
@@ -482,3 +490,53 @@ def test_adopt_all_refuses_nodes_and_blocks_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="2 nodes for 1 blocks"):
         evictor.adopt_all([1, 2], [0])
     assert (list(evictor.owner), evictor.num_cached) == (owners, cached)
+
+
+def _attention_chain(blocks: int) -> tuple[BlockTrie, list[int]]:
+    """An attention-only trie (no host tier: eviction's inlined path) holding one idle
+    chain of `blocks` blocks; returns it and the chain's node ids, root side first."""
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, kv_block_shape=None))
+    trie.release(_prefill(trie, list(range(1, 2 * blocks + 2))))
+    chain: list[int] = []
+    node = root_of(trie)
+    while node.child_nodes():
+        (node,) = node.child_nodes()
+        chain.append(node.id)
+    assert len(chain) == blocks
+    return trie, chain
+
+
+def test_inlined_eviction_frees_a_whole_chain_as_the_methods_would() -> None:
+    """With nothing memoized, each parent's new state is derived (`_implied`), then
+    read from the memo; either way the chain goes leaf first, in one pass."""
+    for memo in ("cold", "warm"):
+        if memo == "cold":
+            eviction._SETTLED.clear()
+        trie, chain = _attention_chain(3)
+        assert trie.evict(2) == 2  # the leaf, then its parent, older than nothing indexed
+        t = trie._nodes
+        assert [t.parent[node] for node in chain[1:]] == [NO_NODE, NO_NODE]  # freed rows
+        assert t.child[chain[0]] == NO_CHILD  # the survivor is a leaf now
+        assert trie.num_cached_blocks == 1 and trie.stats.evicted_blocks == 2
+        assert root_of(trie).child_nodes()[0].state == "evictable"  # settled and indexed
+        trie.check()
+        assert eviction._SETTLED  # memoized again
+
+
+def test_inlined_eviction_refuses_an_indexed_node_that_is_not_evictable() -> None:
+    """A leaf the index holds but whose state is not `evictable` (a corrupted index) is
+    the node lifecycle's `free` error, as `_free` raises it; an indexed leaf without
+    a parent is a topology violation."""
+    trie, chain = _attention_chain(2)
+    leaf = chain[-1]
+    cached = NodeState.CACHED.value
+    trie._nodes.state[leaf] = state_code(cached)
+    with pytest.raises(IllegalTransition) as info:
+        trie.evict(1)
+    assert (info.value.machine, info.value.trigger, info.value.state) == ("node", "free", cached)
+
+    trie, chain = _attention_chain(2)
+    trie._nodes.parent[chain[-1]] = NO_NODE
+    with pytest.raises(InvariantViolation) as topology:
+        trie.evict(1)
+    assert topology.value.invariant == "topology"
