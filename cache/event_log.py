@@ -51,9 +51,6 @@ StoredRun: TypeAlias = tuple[Any, ...]
 """A commit's `BlockStored` as recorded (a plain tuple: only events are NamedTuples);
 `stored_event` builds it."""
 
-RemovedBlock: TypeAlias = tuple[int, int, str]
-"""An evicted block as `EventLog.removed` takes it: (block hash, block id, namespace)."""
-
 if TYPE_CHECKING:
     from cache.block_hash import BlockHasher, ChainFn, PackedChainFn
     from cache.node import Checkpoint, Node, NodeTable
@@ -283,16 +280,27 @@ class EventLog:
             (parent_hash, hashes, tokens, blocks[start:stop], block_size, namespace)
         )
 
-    def removed(self, blocks: Sequence[RemovedBlock]) -> None:
-        """One `BlockRemoved` per run of evicted blocks from the same namespace."""
-        if not self.enabled or not blocks:
+    def removed(self, hashes: list[int], blocks: list[int], namespaces: list[str]) -> None:
+        """Evicted device blocks, in eviction order: block `blocks[i]`, hash `hashes[i]`,
+        in namespace `namespaces[i]`. One `BlockRemoved` per run of one namespace (so
+        one in all when they share it, the usual case)."""
+        if not self.enabled or not hashes:
+            return
+        count = len(hashes)
+        if not len(blocks) == len(namespaces) == count:
+            raise ValueError(
+                f"EventLog.removed: {count} hashes, {len(blocks)} blocks, "
+                f"{len(namespaces)} namespaces"
+            )
+        first = namespaces[0]
+        if namespaces.count(first) == count:  # one namespace: one event
+            self._events.append(BlockRemoved(tuple(hashes), tuple(blocks), first))
             return
         start = 0
-        for i in range(1, len(blocks) + 1):
-            if i == len(blocks) or blocks[i][2] != blocks[start][2]:
-                run = blocks[start:i]
+        for i in range(1, count + 1):
+            if i == count or namespaces[i] != namespaces[start]:
                 self._events.append(
-                    BlockRemoved(tuple(b[0] for b in run), tuple(b[1] for b in run), run[0][2])
+                    BlockRemoved(tuple(hashes[start:i]), tuple(blocks[start:i]), namespaces[start])
                 )
                 start = i
 

@@ -128,31 +128,37 @@ def _node(log: EventLog, namespace: str, block: int, host: int = NO_BLOCK) -> No
     return node
 
 
-def _removed(namespace: str, block: int) -> tuple[int, int, str]:
-    """An evicted block as `EventLog.removed` takes it (hash `100 + block`)."""
-    return (100 + block, block, namespace)
+def _removed(log: EventLog, *blocks: tuple[str, int]) -> None:
+    """`log.removed` of evicted blocks given as (namespace, block), hash `100 + block`."""
+    log.removed([100 + b for _, b in blocks], [b for _, b in blocks], [ns for ns, _ in blocks])
 
 
 def test_removed_emits_one_event_per_run_of_one_namespace() -> None:
     log = _log()
-    nodes = [_removed("", 1), _removed("", 2), _removed("t", 3), _removed("", 4)]
-    log.removed(nodes)
+    _removed(log, ("", 1), ("", 2), ("t", 3), ("", 4))
     assert log.drain() == [
         BlockRemoved((101, 102), (1, 2), ""),
         BlockRemoved((103,), (3,), "t"),
         BlockRemoved((104,), (4,), ""),
     ]
-    log.removed([])
+    log.removed([], [], [])
+    assert log.drain() == []
+
+
+def test_removed_refuses_columns_of_different_lengths() -> None:
+    log = _log()
+    with pytest.raises(ValueError, match="2 hashes, 1 blocks, 2 namespaces"):
+        log.removed([101, 102], [1], ["", ""])
     assert log.drain() == []
 
 
 def test_a_disabled_or_muted_log_emits_no_removal() -> None:
     off = _log(False)
-    off.removed([_removed("", 1)])
+    _removed(off, ("", 1))
     assert off.drain() == []
     log = _log()
     with log.muted():
-        log.removed([_removed("", 1)])
+        _removed(log, ("", 1))
     assert log.drain() == []
     assert log.enabled
 
@@ -220,7 +226,7 @@ def test_root_hash_is_zero_with_events_off() -> None:
 def test_removed_from_one_namespace_is_one_event_naming_it() -> None:
     """The one-namespace fast path names the namespace (not None, not the default)."""
     log = _log()
-    log.removed([_removed("t", 1), _removed("t", 2)])
+    _removed(log, ("t", 1), ("t", 2))
     assert log.drain() == [BlockRemoved((101, 102), (1, 2), "t")]
 
 
