@@ -507,12 +507,23 @@ def _attention_chain(blocks: int) -> tuple[BlockTrie, list[int]]:
 
 
 def test_inlined_eviction_frees_a_whole_chain_as_the_methods_would() -> None:
-    """With nothing memoized, each parent's new state is derived (`_implied`), then
-    read from the memo; either way the chain goes leaf first, in one pass."""
-    for memo in ("cold", "warm"):
-        if memo == "cold":
-            eviction._SETTLED.clear()
+    """Each parent's new state comes from the memo, or (a miss) from `_implied`.
+    With the memo emptied just before, every lookup misses; warmed with the states
+    of facts next to the parent's (a pin, off the device, no reference), a lookup
+    built from a wrong fact would hit one of them. Either way the chain goes leaf
+    first, in one pass, and its last node is left evictable."""
+    cached = state_code(NodeState.CACHED.value)
+    neighbours = [
+        (cached, True, 1, 1, True),
+        (cached, True, 1, 0, False),
+        (cached, True, 0, 0, False),
+    ]
+    for warm in (False, True):
         trie, chain = _attention_chain(3)
+        eviction._SETTLED.clear()
+        if warm:
+            for facts in neighbours:
+                eviction._settled("warm-up", *facts)
         assert trie.evict(2) == 2  # the leaf, then its parent, older than nothing indexed
         t = trie._nodes
         assert [t.parent[node] for node in chain[1:]] == [NO_NODE, NO_NODE]  # freed rows
@@ -521,6 +532,23 @@ def test_inlined_eviction_frees_a_whole_chain_as_the_methods_would() -> None:
         assert root_of(trie).child_nodes()[0].state == "evictable"  # settled and indexed
         trie.check()
         assert eviction._SETTLED  # memoized again
+
+
+def test_inlined_eviction_leaves_a_held_parent_cached_on_a_memo_miss() -> None:
+    """A parent another request holds stays `cached` when its leaf is evicted, also
+    when its facts are not memoized yet (the derivation decides, not a default)."""
+    trie, chain = _attention_chain(3)
+    holder = trie.match([1, 2, 3, 4, 99])  # holds the first two blocks
+    assert holder.num_cached_tokens == 4
+    eviction._SETTLED.clear()
+    assert trie.evict(1) == 1
+    t = trie._nodes
+    assert t.parent[chain[2]] == NO_NODE and t.child[chain[1]] == NO_CHILD
+    assert t.state[chain[1]] == state_code(NodeState.CACHED.value)
+    assert chain[1] not in trie._evictor.index
+    trie.check()
+    trie.release(holder)
+    trie.check()
 
 
 def test_inlined_eviction_refuses_an_indexed_node_that_is_not_evictable() -> None:
