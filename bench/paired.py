@@ -3,7 +3,12 @@
 `PairedTimedCache` is what `cache.planner.replay.replay` drives in place of
 `bench.run.TimedCache`: every call goes to both caches, `first` and `second`,
 each behind its own `TimedCache` (which times and counts it, eviction made
-explicit), and the two take turns going first, call by call. On this shared
+explicit), and the two take turns going first, call by call, each operation
+on its own: the second side of a call finds the caches warm with what the
+first side just read (the request's tokens), and a replay's calls come in a
+fixed pattern (`match`, `allocate`, `commit`, `release`, `poll` per request),
+so a single turn for all calls put the same side first on every `match` and
+every `poll`, which biased the events row by about 0.02x. On this shared
 2-core machine the load of other tenants drifts by tens of percent within
 seconds, so two replays run one after the other can differ by more than what
 is measured (the events row of `bench.peers` read +0.16x and +0.33x for the
@@ -59,7 +64,8 @@ class PairedTimedCache:
         self.first = first
         self.second = second
         self._sides = (TimedCache(first, block_size, clock), TimedCache(second, block_size, clock))
-        self._turn = False  # whether the second cache goes first on the next call
+        # operation -> whether the second cache goes first on its next call
+        self._turns: dict[str, bool] = {}
 
     @property
     def t(self) -> OpTimes:
@@ -70,16 +76,16 @@ class PairedTimedCache:
         return self._sides[1].t
 
     def _both(
-        self, call: Callable[[TimedCache, Any], Any], seq: PairedSequence | None = None
+        self, op: str, call: Callable[[TimedCache, Any], Any], seq: PairedSequence | None = None
     ) -> tuple[Any, Any]:
-        """`call(timed, its sequence)` for each side, in this call's order; their
-        results, first's first. When one raises, the other must raise the same kind
-        (`OutOfBlocks`, which the replay handles): that is re-raised."""
-        self._turn = not self._turn
+        """`call(timed, its sequence)` for each side, in the order `op`'s turn says;
+        their results, first's first. When one raises, the other must raise the same
+        kind (`OutOfBlocks`, which the replay handles): that is re-raised."""
+        second_first = self._turns[op] = not self._turns.get(op, False)
         seqs = (None, None) if seq is None else (seq.first, seq.second)
         results: list[Any] = [None, None]
         errors: list[Exception | None] = [None, None]
-        for side in (1, 0) if self._turn else (0, 1):
+        for side in (1, 0) if second_first else (0, 1):
             try:
                 results[side] = call(self._sides[side], seqs[side])
             except Exception as exc:
@@ -119,34 +125,34 @@ class PairedTimedCache:
     # ----------------------------------------------------------- operations
 
     def match(self, tokens: list[int], namespace: str = "") -> PairedSequence:
-        a, b = self._both(lambda timed, _: timed.match(tokens, namespace))
+        a, b = self._both("match", lambda timed, _: timed.match(tokens, namespace))
         self._same("hit", a.num_cached_tokens, b.num_cached_tokens)
         return PairedSequence(a, b)
 
     def allocate(self, seq: PairedSequence, num_tokens: int) -> None:
-        self._both(lambda timed, own: timed.allocate(own, num_tokens), seq)
+        self._both("allocate", lambda timed, own: timed.allocate(own, num_tokens), seq)
         self._same("evicted", self.t.blocks["evict"], self.t2.blocks["evict"])
         self._same("block table", list(seq.first.block_ids), list(seq.second.block_ids))
 
     def commit(self, seq: PairedSequence, num_tokens: int) -> None:
-        self._both(lambda timed, own: timed.commit(own, num_tokens), seq)
+        self._both("commit", lambda timed, own: timed.commit(own, num_tokens), seq)
 
     def release(self, seq: PairedSequence) -> None:
-        self._both(lambda timed, own: timed.release(own), seq)
+        self._both("release", lambda timed, own: timed.release(own), seq)
 
     def append(self, seq: PairedSequence, tokens: list[int]) -> None:
-        self._both(lambda timed, own: timed.append(own, tokens), seq)
+        self._both("append", lambda timed, own: timed.append(own, tokens), seq)
 
     def abort(self, seq: PairedSequence) -> None:
-        self._both(lambda timed, own: timed.abort(own), seq)
+        self._both("abort", lambda timed, own: timed.abort(own), seq)
 
     def poll(self) -> int:
-        done, done2 = self._both(lambda timed, _: timed.poll())
+        done, done2 = self._both("poll", lambda timed, _: timed.poll())
         self._same("copies reaped", done, done2)
         return int(done)
 
     def check(self) -> None:
-        self._both(lambda timed, _: timed.cache.check())
+        self._both("check", lambda timed, _: timed.cache.check())
 
     def save(self, seq: PairedSequence, num_tokens: int, runtime_state: Any) -> Any:
         raise TypeError("PairedTimedCache pairs attention-only replays: no SSM checkpoints")

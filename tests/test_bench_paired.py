@@ -53,14 +53,33 @@ def test_every_call_reaches_both_caches_in_turns_and_each_side_is_timed() -> Non
     assert again.num_cached_tokens == 8 and again.second.num_cached_tokens == 8
     pair.abort(again)
     assert pair.poll() == 0
-    # Turns: the second cache goes first on every other call.
-    assert log == ["b", "a", "a", "b", "b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]
+    # Turns, per operation: the second cache goes first on every other call of each.
+    first_calls = ["b", "a"] * 4  # match, allocate, commit, release: each its first call
+    assert log == [*first_calls, "a", "b", "b", "a", "b", "a"]  # match again; abort; poll
     for times in (pair.t, pair.t2):  # each call took one tick of the fake clock
         assert times.ns["match"] == 20 and times.ns["allocate"] == 10
         assert times.ns["commit"] == 10 and times.ns["release"] == 10
         assert times.other_ns == 20 and times.calls == 7
         assert times.blocks["match"] == 4 and times.blocks["commit"] == 2
     assert pair.num_cached_blocks == 2 and pair.num_free_blocks == 6  # cached, idle
+
+
+def test_a_replay_pattern_of_even_length_does_not_fix_who_goes_first() -> None:
+    # A replay calls match, allocate, commit, release and poll per request: with one
+    # turn for all calls, an even pattern put the same side first on every match.
+    log: list[str] = []
+    pair = PairedTimedCache(_Order(_trie(), "a", log), _Order(_trie(events=True), "b", log), 4)
+    firsts: dict[str, list[str]] = {"match": [], "poll": []}
+    for _ in range(4):
+        start = len(log)
+        seq = pair.match([1, 2, 3, 4, 5])
+        firsts["match"].append(log[start])
+        pair.release(seq)
+        start = len(log)
+        pair.poll()
+        firsts["poll"].append(log[start])
+        pair.check()
+    assert firsts == {"match": ["b", "a", "b", "a"], "poll": ["b", "a", "b", "a"]}
 
 
 def test_eviction_is_explicit_and_shared_and_out_of_blocks_reaches_the_replay() -> None:
