@@ -1,11 +1,15 @@
 """The event log: what the trie tells the outside world about its cached blocks.
 
-Owns the list of emitted-but-undrained events and, for `check()`, the block set
-that the drained events replayed to (a `BlockBitmap`: a byte per block id, not
-a Python `set`, whose ~70 bytes a cached block would be a third of the cache's
-memory with events on), so invariant 10 ("replaying the events
-yields exactly the cached block set") can be checked at any time. When events
-are disabled every `emit_*` is a no-op and nothing accumulates.
+Owns the list of emitted-but-undrained events and, for `check()`, the block
+sets that every event emitted so far replays to (one per group and medium; each
+a `BlockBitmap`: a byte per block id, not a Python `set`, whose ~70 bytes a
+cached block would be a third of the cache's memory with events on), so
+invariant 10 ("replaying the events yields exactly the cached block set") can
+be checked at any time. An event is applied to them when it is recorded, from
+the block ids it carries, while the commit or eviction still has them in hand:
+draining moves the records out and touches nothing else (applying them there,
+cold, cost the engine more than recording them). When events are disabled
+every emitter is a no-op and nothing accumulates.
 
 A commit's `BlockStored` (the hot one: one per commit that attaches blocks) is
 recorded as a *stored run* (`StoredRun`: the parent's hash, the new blocks'
@@ -40,7 +44,6 @@ from cache.events import (
     Event,
     checkpoint_removed,
     checkpoint_stored,
-    replay,
     replay_views,
 )
 from cache.keys import PackedTokens, joined_tokens, key_extra, key_packed
@@ -59,7 +62,7 @@ if TYPE_CHECKING:
 class BlockBitmap:
     """A set of int block ids (or slots): a byte per id up to the largest added.
 
-    What `EventLog` replays drained events into for `check()` (invariant 10):
+    What `EventLog` replays recorded events into for `check()` (invariant 10):
     with events on, a `set[int]` of every cached block cost about 70 bytes a
     block; this costs one byte per id of the pool. It has what `replay_views`
     uses (`update`, `difference_update`, `clear`), with a set's meaning;
@@ -76,31 +79,43 @@ class BlockBitmap:
 
     def update(self, ids: Sequence[int], /) -> None:
         """Add `ids`."""
+        bits = self._bits
+        try:  # the usual case: every id is in the bytes already
+            for i in ids:
+                if i < 0:
+                    raise IndexError(i)  # (indexing would wrap around)
+                bits[i] = 1
+        except IndexError:  # a negative id, or one past the end: all of them again
+            self._update_outside(ids)
+
+    def _update_outside(self, ids: Sequence[int]) -> None:
+        """`update` when an id is negative or past the end of the bytes."""
+        self._negative.update(i for i in ids if i < 0)
+        ids = [i for i in ids if i >= 0]
         if not ids:
             return
-        if min(ids) < 0:
-            self._negative.update(i for i in ids if i < 0)
-            ids = [i for i in ids if i >= 0]
-            if not ids:
-                return
         bits = self._bits
-        try:
-            for i in ids:
-                bits[i] = 1
-        except IndexError:  # an id past the end: grow (doubling), then set them all
-            bits.extend(bytes(max(max(ids) + 1, 2 * len(bits)) - len(bits)))
-            for i in ids:
-                bits[i] = 1
+        top = max(ids)
+        if top >= len(bits):  # grow (doubling)
+            bits.extend(bytes(max(top + 1, 2 * len(bits)) - len(bits)))
+        for i in ids:
+            bits[i] = 1
 
     def difference_update(self, ids: Sequence[int], /) -> None:
         """Remove `ids` (those held; the others are ignored, as by a set)."""
         bits = self._bits
-        size = len(bits)
-        for i in ids:
-            if 0 <= i < size:
+        try:  # the usual case: every id is in the bytes
+            for i in ids:
+                if i < 0:
+                    raise IndexError(i)  # (indexing would wrap around)
                 bits[i] = 0
-            elif i < 0:
-                self._negative.discard(i)
+        except IndexError:  # a negative id, or one past the end: all of them again
+            size = len(bits)
+            for i in ids:
+                if 0 <= i < size:
+                    bits[i] = 0
+                elif i < 0:
+                    self._negative.discard(i)
 
     def clear(self) -> None:
         """Remove every id."""
@@ -134,12 +149,12 @@ class EventLog:
     """
 
     __slots__ = (
-        "_drained_checkpoints",
-        "_drained_host",
-        "_drained_host_checkpoints",
-        "_drained_view",
-        "_drained_views",
+        "_checkpoint_view",
         "_events",
+        "_gpu_view",
+        "_host_checkpoint_view",
+        "_host_view",
+        "_views",
         "chain",
         "chain_packed",
         "enabled",
@@ -153,16 +168,17 @@ class EventLog:
         self.nodes: NodeTable | None = None
         """The trie's nodes, which events name (set by the trie once it has them)."""
         self._events: list[Event | StoredRun] = []
-        self._drained_view = BlockBitmap()
-        self._drained_checkpoints = BlockBitmap()
-        self._drained_host = BlockBitmap()
-        self._drained_host_checkpoints = BlockBitmap()
-        # (group_idx, medium) -> the drained view its events apply to (`replay_views`)
-        self._drained_views: dict[tuple[int, str], BlockBitmap] = {
-            (KV_GROUP, MEDIUM_GPU): self._drained_view,
-            (CHECKPOINT_GROUP, MEDIUM_GPU): self._drained_checkpoints,
-            (KV_GROUP, MEDIUM_CPU): self._drained_host,
-            (CHECKPOINT_GROUP, MEDIUM_CPU): self._drained_host_checkpoints,
+        # What every event recorded so far replays to, per group and medium.
+        self._gpu_view = BlockBitmap()
+        self._checkpoint_view = BlockBitmap()
+        self._host_view = BlockBitmap()
+        self._host_checkpoint_view = BlockBitmap()
+        # (group_idx, medium) -> the view its events apply to (`replay_views`)
+        self._views: dict[tuple[int, str], BlockBitmap] = {
+            (KV_GROUP, MEDIUM_GPU): self._gpu_view,
+            (CHECKPOINT_GROUP, MEDIUM_GPU): self._checkpoint_view,
+            (KV_GROUP, MEDIUM_CPU): self._host_view,
+            (CHECKPOINT_GROUP, MEDIUM_CPU): self._host_checkpoint_view,
         }
         self.hasher: BlockHasher | None = None
         self.chain: ChainFn | None = None
@@ -191,6 +207,11 @@ class EventLog:
     def root_hash(self, namespace: str) -> int:
         """The chain seed of `namespace` (0 with events off)."""
         return self.hasher.root(namespace) if self.hasher is not None else 0
+
+    def _emit(self, event: Event) -> None:
+        """Record `event` and apply it to the views `check()` compares."""
+        self._events.append(event)
+        replay_views((event,), self._views)
 
     @contextmanager
     def muted(self) -> Iterator[None]:
@@ -270,15 +291,15 @@ class EventLog:
         except TypeError:
             tokens = b""
         if len(tokens) != 4 * block_size * len(keys):  # not plain uint32 blocks
-            self._events.append(
+            self._emit(
                 _stored_from_keys(
                     parent_hash, hashes, keys, blocks[start:stop], block_size, namespace
                 )
             )
             return
-        self._events.append(
-            (parent_hash, hashes, tokens, blocks[start:stop], block_size, namespace)
-        )
+        stored = blocks[start:stop]
+        self._events.append((parent_hash, hashes, tokens, stored, block_size, namespace))
+        self._gpu_view.update(stored)
 
     def removed(self, hashes: list[int], blocks: list[int], namespaces: list[str]) -> None:
         """Evicted device blocks, in eviction order: block `blocks[i]`, hash `hashes[i]`,
@@ -292,6 +313,7 @@ class EventLog:
                 f"EventLog.removed: {count} hashes, {len(blocks)} blocks, "
                 f"{len(namespaces)} namespaces"
             )
+        self._gpu_view.difference_update(blocks)  # what the events below replay to
         first = namespaces[0]
         if namespaces.count(first) == count:  # one namespace: one event
             self._events.append(BlockRemoved(tuple(hashes), tuple(blocks), first))
@@ -308,7 +330,7 @@ class EventLog:
         """`node`'s device `block` was freed while the node stays (offloaded to host)."""
         if self.enabled:
             t = self._table()
-            self._events.append(BlockRemoved((t.block_hash[node],), (block,), t.namespace_of(node)))
+            self._emit(BlockRemoved((t.block_hash[node],), (block,), t.namespace_of(node)))
 
     def host_stored(self, nodes: Sequence[Node]) -> None:
         """A store copy finished: `nodes` are now in the host tier (medium CPU)."""
@@ -327,7 +349,7 @@ class EventLog:
             return
         t = self._table()
         for nd in nodes:
-            self._events.append(
+            self._emit(
                 BlockRemoved((t.block_hash[nd],), (t.host[nd],), t.namespace_of(nd), MEDIUM_CPU)
             )
 
@@ -342,7 +364,7 @@ class EventLog:
             namespace = t.namespace_of(nd)
             extra = t.extra_of(nd)
             tokens = t.tokens_of(nd)
-            self._events.append(
+            self._emit(
                 BlockStored(
                     (t.block_hash[nd],),
                     (block,),
@@ -374,7 +396,7 @@ class EventLog:
         t = self._table()
         namespace = t.namespace_of(anchor)
         if host:  # named as on the device (a host copy is block-aligned)
-            self._events.append(
+            self._emit(
                 checkpoint_stored(
                     ck.block_hash,
                     ck.host_slot,
@@ -396,7 +418,7 @@ class EventLog:
             parent_hash = self._parent_hash(anchor)
             tokens, extra = t.tokens_of(anchor), t.extra_of(anchor)
 
-        self._events.append(
+        self._emit(
             checkpoint_stored(
                 ck.block_hash,
                 ck.slot,
@@ -413,7 +435,7 @@ class EventLog:
         offloaded), or with `host` its host slot: a `BlockRemoved`."""
         if self.enabled:
             slot, medium = (ck.host_slot, MEDIUM_CPU) if host else (ck.slot, MEDIUM_GPU)
-            self._events.append(
+            self._emit(
                 checkpoint_removed(
                     (ck.block_hash,), (slot,), self._table().namespace_of(ck.anchor), medium=medium
                 )
@@ -422,63 +444,36 @@ class EventLog:
     def cleared(self) -> None:
         """`AllBlocksCleared`: every cached block was dropped."""
         if self.enabled:
-            self._events.append(AllBlocksCleared())
+            self._emit(AllBlocksCleared())
 
     def drain(self) -> list[Event]:
         """Return and forget the events emitted since the last drain."""
         events = built_events(self._events)
         self._events = []
-        replay_views(events, self._drained_views)
         return events
 
     def drain_records(self) -> EventRecords:
-        """Return and forget the events emitted since the last drain, unbuilt.
-
-        The drained views for `check()` are updated from the records directly,
-        in order (a stored run adds its block ids; an event is replayed by
-        `replay_views`), so nothing is built here.
-        """
+        """Return and forget the events emitted since the last drain, unbuilt (the
+        views `check()` compares took them in when they were recorded)."""
         items = self._events
         self._events = []
-        gpu = self._drained_view
-        views = self._drained_views
-        for item in items:
-            if type(item) is tuple:  # a stored run
-                gpu.update(item[3])
-            else:
-                replay_views((item,), views)  # type: ignore[arg-type]
         return EventRecords(items)
 
     def replayed_blocks(self) -> set[int] | None:
         """The block set all events so far replay to (None when events are off)."""
-        if not self.enabled:
-            return None
-        return replay(built_events(self._events), set(self._drained_view))
+        return set(self._gpu_view) if self.enabled else None
 
     def replayed_host_blocks(self) -> set[int] | None:
         """The host-tier block set all events so far replay to (None when events are off)."""
-        if not self.enabled:
-            return None
-        return replay(built_events(self._events), set(self._drained_host), medium=MEDIUM_CPU)
+        return set(self._host_view) if self.enabled else None
 
     def replayed_checkpoint_slots(self) -> set[int] | None:
         """The checkpoint slots all events so far replay to (None when events are off)."""
-        if not self.enabled:
-            return None
-        return replay(
-            built_events(self._events), set(self._drained_checkpoints), group_idx=CHECKPOINT_GROUP
-        )
+        return set(self._checkpoint_view) if self.enabled else None
 
     def replayed_host_checkpoint_slots(self) -> set[int] | None:
         """The host checkpoint slots all events so far replay to (None when events are off)."""
-        if not self.enabled:
-            return None
-        return replay(
-            built_events(self._events),
-            set(self._drained_host_checkpoints),
-            group_idx=CHECKPOINT_GROUP,
-            medium=MEDIUM_CPU,
-        )
+        return set(self._host_checkpoint_view) if self.enabled else None
 
 
 def stored_event(run: StoredRun) -> BlockStored:

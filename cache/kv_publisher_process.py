@@ -39,16 +39,18 @@ socket (it reports whenever it has caught up). Binding
 errors (a port in use) are raised by the constructor as `zmq.ZMQError`, as
 `KVEventPublisher`'s are; its bad sizes as `ValueError`.
 
-Frame (msgpack): ``[seq, ts, items]``; an item is ``[0, parent_hash,
-block_size, namespace, hashes, block_ids, tokens]`` for a commit's stored
-blocks (`tokens`: the blocks' uint32 key bytes, joined), ``[1, hashes,
-block_ids, namespace, medium, group_idx]`` for a `BlockRemoved`, and ``[2,
-pickle]`` for any other event (rare: host-tier moves, checkpoints, clears).
-Hashes are sent as they are, or as their low 64 bits (what the wire carries)
-when one is wider (a `vllm` digest). A commit whose keys are not plain uint32
-blocks (an extra identity, 64-bit ids) was built by the commit itself
-(`cache.event_log`) and is sent as ``[2, ...]``. Packing a commit costs the
-engine one small list and msgpack's copy of what the commit recorded.
+Frame (msgpack): ``[seq, ts, items]``, the drained records as they are: a
+commit's stored blocks as its recorded run (``[parent_hash, hashes, tokens,
+block_ids, block_size, namespace]``, `tokens` the blocks' uint32 key bytes,
+joined), a `BlockRemoved` as its five fields (``[hashes, block_ids, namespace,
+medium, group_idx]``), and any other event (rare: host-tier moves, checkpoints,
+clears) as its pickle (a msgpack bin). Nothing is rebuilt per record: packing a
+batch costs the engine one check of its records' types and msgspec's copy of
+them (rebuilding each record as a tagged list cost as much again). Hashes are
+sent as they are, or as their low 64 bits (what the wire carries) when one is
+wider (a `vllm` digest). A commit whose keys are not plain uint32 blocks (an
+extra identity, 64-bit ids) was built by the commit itself (`cache.event_log`)
+and is pickled.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ __all__ = ["ProcessEventPublisher", "decode_frame", "decode_records", "encode_fr
 log = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
-_STORED, _REMOVED, _OTHER = 0, 1, 2
+_RUN_FIELDS, _REMOVED_FIELDS = 6, 5
+"""Fields of a stored run and of a `BlockRemoved` in a frame (how the child tells them apart)."""
 _HEADER = 4
 """Bytes of a frame's length on the pipe (little-endian)."""
 _PIPE_BYTES = 1 << 20
@@ -96,49 +99,45 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
-def _stored_item(run: StoredRun) -> list[Any]:
-    """A commit's stored blocks as a frame item (the run's values, as recorded)."""
-    parent_hash, hashes, tokens, blocks, block_size, namespace = run
-    return [_STORED, parent_hash, block_size, namespace, hashes, blocks, tokens]
+_PLAIN = frozenset({tuple, BlockRemoved})
+"""The record types a frame carries as they are (stored runs, `BlockRemoved`)."""
 
 
-def _event_item(event: Event) -> list[Any]:
-    if type(event) is BlockRemoved:
-        return [
-            _REMOVED,
-            list(event.block_hashes),
-            event.block_ids,
-            event.namespace,
-            event.medium,
-            event.group_idx,
-        ]
-    return [_OTHER, pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)]
+def _pickled(items: Sequence[Event | StoredRun]) -> list[Any]:
+    """`items` with every record that is neither a stored run nor a `BlockRemoved`
+    pickled (what a frame carries for the rare other events)."""
+    return [
+        x if type(x) in _PLAIN else pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in items
+    ]
 
 
-def _masked(items: list[list[Any]]) -> list[list[Any]]:
-    """`items` with every hash cut to the 64 bits the wire carries (`vllm` digests)."""
-    for item in items:
-        if item[0] == _STORED:
-            item[1] = None if item[1] is None else item[1] & _MASK
-            item[4] = [h & _MASK for h in item[4]]
-        elif item[0] == _REMOVED:
-            item[1] = [h & _MASK for h in item[1]]
-    return items
+def _masked(items: list[Any]) -> list[Any]:
+    """`items` (a frame's) with every hash cut to the 64 bits the wire carries
+    (`vllm` digests)."""
+    out: list[Any] = []
+    for x in items:
+        if type(x) is tuple:  # a stored run
+            parent, hashes, *rest = x
+            parent = None if parent is None else parent & _MASK
+            x = (parent, [h & _MASK for h in hashes], *rest)
+        elif type(x) is BlockRemoved:
+            x = x._replace(block_hashes=tuple(h & _MASK for h in x.block_hashes))
+        out.append(x)
+    return out
 
 
 def encode_frame(
     batch: EventRecords | Sequence[Event], *, seq: int, ts: float | None = None
 ) -> bytes:
     """The frame the engine's process sends for one batch (see the module docstring)."""
-    items = [
-        _stored_item(x) if type(x) is tuple else _event_item(x)  # type: ignore[arg-type]
-        for x in (batch.items if isinstance(batch, EventRecords) else batch)
-    ]
+    items = batch.items if isinstance(batch, EventRecords) else batch
+    if not _PLAIN.issuperset(map(type, items)):
+        items = _pickled(items)
     stamp = time.time() if ts is None else float(ts)
     try:
-        return _encoder.encode([seq, stamp, items])
+        return _encoder.encode((seq, stamp, items))
     except OverflowError:  # a `vllm` 256-bit digest
-        return _encoder.encode([seq, stamp, _masked(items)])
+        return _encoder.encode((seq, stamp, _masked(list(items))))
 
 
 def decode_frame(frame: bytes) -> tuple[int, float, list[Event]]:
@@ -156,15 +155,15 @@ def decode_records(frame: bytes) -> tuple[int, float, EventRecords]:
     seq, ts, items = _decoder.decode(frame)
     runs: list[Event | StoredRun] = []
     for item in items:
-        kind = item[0]
-        if kind == _STORED:
-            _, parent, block_size, namespace, hashes, blocks, tokens = item
-            runs.append((parent, hashes, tokens, blocks, block_size, namespace))
-        elif kind == _REMOVED:
-            _, hashes, blocks, namespace, medium, group = item
+        if type(item) is bytes:
+            runs.append(pickle.loads(item))
+        elif len(item) == _RUN_FIELDS:
+            runs.append(tuple(item))
+        elif len(item) == _REMOVED_FIELDS:
+            hashes, blocks, namespace, medium, group = item
             runs.append(BlockRemoved(tuple(hashes), tuple(blocks), namespace, medium, group))
         else:
-            runs.append(pickle.loads(item[1]))
+            raise ValueError(f"a frame item of {len(item)} fields")
     return seq, ts, EventRecords(runs)
 
 

@@ -1,4 +1,4 @@
-"""`cache.event_log.BlockBitmap`: the drained views `check()` replays events into.
+"""`cache.event_log.BlockBitmap`: the views `check()` replays events into.
 
 It must mean exactly what the `set[int]` it replaced meant (invariant 10 is
 checked against it), whatever order ids are added, removed and cleared in,
@@ -23,6 +23,10 @@ _STEPS = st.lists(st.tuples(st.sampled_from(["update", "difference_update", "cle
 @given(_STEPS)
 @example([("update", [0, -1]), ("difference_update", [-1, 1])])  # past the end; a negative
 @example([("update", [-2]), ("difference_update", [-2])])
+# A negative id inside the bytes' range, after ids already set in the same call: the
+# bytes must not wrap it around to their end.
+@example([("update", [10]), ("update", [3, -1])])
+@example([("update", [10, 9]), ("difference_update", [3, -1, 9]), ("update", [-2, 4])])
 def test_a_bitmap_holds_what_a_set_holds(steps: list[tuple[str, list[int]]]) -> None:
     bitmap, reference = BlockBitmap(), set[int]()
     for op, ids in steps:

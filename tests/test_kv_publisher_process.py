@@ -19,6 +19,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 import select
 import shutil
@@ -39,7 +40,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache import BlockTrie, CacheConfig
-from cache.events import AllBlocksCleared
+from cache.event_log import EventRecords
+from cache.events import AllBlocksCleared, BlockRemoved
 from cache.kv_events import encode_batch
 from cache.kv_publisher import KVEventPublisher
 from cache.kv_publisher_process import (
@@ -178,6 +180,25 @@ def test_a_one_token_block_with_an_extra_identity_is_built_by_the_engine() -> No
     assert decoded == events
 
 
+def test_a_frame_carries_the_records_as_drained_and_refuses_an_unknown_item() -> None:
+    """Runs and removals go as their fields (nothing rebuilt per record); another
+    event as its pickle; an item of another shape is refused, not guessed at."""
+    run = (None, [11, 12], bytes(32), [3, 4], 4, "t")
+    gone = BlockRemoved((11,), (3,), "t")
+    seq, ts, items = msgspec.msgpack.decode(
+        encode_frame(EventRecords([run, gone, AllBlocksCleared()]), seq=5, ts=0.5)
+    )
+    assert (seq, ts) == (5, 0.5)
+    assert items[:2] == [list(run), [[11], [3], "t", "GPU", 0]]
+    assert pickle.loads(items[2]) == AllBlocksCleared()
+    _, _, records = decode_records(
+        encode_frame(EventRecords([run, gone, AllBlocksCleared()]), seq=5, ts=0.5)
+    )
+    assert records.items == [run, gone, AllBlocksCleared()]
+    with pytest.raises(ValueError, match="4 fields"):
+        decode_records(msgspec.msgpack.encode([0, 0.0, [[1, 2, 3, 4]]]))
+
+
 def test_vllm_digests_travel_as_their_low_64_bits() -> None:
     """Deterministic (the property test above reaches this only on some draws): a
     frame of 256-bit digests carries each hash, and a child commit's parent hash, cut
@@ -198,13 +219,12 @@ def test_vllm_digests_travel_as_their_low_64_bits() -> None:
     assert stored[0].parent_block_hash is None and stored[1].parent_block_hash is not None
     assert all(h > mask for e in events for h in e.block_hashes)  # wider than the wire
     _, _, items = msgspec.msgpack.decode(frame)
-    assert [i[1] for i in items if i[0] == 0] == [None, stored[1].parent_block_hash & mask]
-    assert [i[4] for i in items if i[0] == 0] == [
-        [h & mask for h in e.block_hashes] for e in stored
-    ]
-    assert [i[1] for i in items if i[0] == 1] == [
-        [h & mask for h in e.block_hashes] for e in removed
-    ]
+    runs = [i for i in items if len(i) == 6]  # [parent_hash, hashes, tokens, ...]
+    gone = [i for i in items if len(i) == 5]  # [hashes, block_ids, namespace, ...]
+    assert len(runs) + len(gone) == len(items)
+    assert [i[0] for i in runs] == [None, stored[1].parent_block_hash & mask]
+    assert [i[1] for i in runs] == [[h & mask for h in e.block_hashes] for e in stored]
+    assert [i[0] for i in gone] == [[h & mask for h in e.block_hashes] for e in removed]
     _, _, decoded = decode_frame(frame)
     assert encode_batch(decoded, ts=2.0) == encode_batch(events, ts=2.0)
 
