@@ -1348,8 +1348,9 @@ class BlockTrie:
         What a publisher takes: `cache.kv_publisher.KVEventPublisher` and
         `cache.kv_events.encode_batch` encode a commit's record straight to the
         wire, and `cache.kv_publisher_process.ProcessEventPublisher` ships it to
-        its encoder process, so no event object is built per commit. `check()`
-        (invariant 10) sees them drained, as after `drain_events`.
+        its encoder process, so no event object is built per commit. Neither
+        drain changes what `check()` compares (invariant 10): the block set every
+        recorded event replays to, drained or not, against the cached blocks.
         """
         if not self._gate.acquire(False):
             raise self._concurrent_use("drain_event_records()")

@@ -178,3 +178,32 @@ def test_one_eviction_over_two_namespaces_removes_by_namespace_runs() -> None:
     removed = [e for e in trie.drain_events() if isinstance(e, BlockRemoved)]
     assert [(e.namespace, len(e.block_ids)) for e in removed] == [("a", 1), ("b", 1), ("a", 1)]
     trie.check()
+
+
+@pytest.mark.parametrize("drained", [False, True])
+def test_check_catches_events_that_do_not_replay_to_the_cache(drained: bool) -> None:
+    """Invariant 10 is not vacuous: an event the cache did not make (a removal of a
+    block still cached, a store of a block that is free) fails `check()`, whether
+    it is still pending or already drained (each event counts from when it is
+    recorded)."""
+    from spec.errors import InvariantViolation
+
+    trie = kv_trie(num_blocks=8)
+    serve(trie, [1, 2, 3, 4, 5, 6, 7, 8])
+    trie.check()
+    cached = sorted(trie.snapshot()["event_blocks"])
+    assert len(cached) == 2
+    log = trie._events
+    log.removed([123], [cached[0]], [""])  # a removal the cache never made
+    if drained:
+        trie.drain_event_records()
+    with pytest.raises(InvariantViolation, match="events"):
+        trie.check()
+    log.stored(None, [123], [bytes(16)], [cached[0]], 0, 1, 4, "")  # put it back
+    trie.check()
+    free = next(b for b in range(8) if b not in cached)
+    log.stored(None, [456], [bytes(16)], [free], 0, 1, 4, "")  # a free block "stored"
+    if drained:
+        trie.drain_events()
+    with pytest.raises(InvariantViolation, match="events"):
+        trie.check()
