@@ -27,6 +27,7 @@ _STEPS = st.lists(st.tuples(st.sampled_from(["update", "difference_update", "cle
 # bytes must not wrap it around to their end.
 @example([("update", [10]), ("update", [3, -1])])
 @example([("update", [10, 9]), ("difference_update", [3, -1, 9]), ("update", [-2, 4])])
+@example([("update", [0]), ("difference_update", [1, 0])])  # id 0 on the careful path
 def test_a_bitmap_holds_what_a_set_holds(steps: list[tuple[str, list[int]]]) -> None:
     bitmap, reference = BlockBitmap(), set[int]()
     for op, ids in steps:

@@ -123,6 +123,17 @@ def test_a_block_aligned_checkpoint_is_stored_to_a_host_slot_as_it_is_saved() ->
     trie.check()
 
 
+def test_with_events_off_a_stored_host_checkpoint_is_not_held_against_the_events() -> None:
+    """Events off: no event view exists, so `check()` compares none (a view that
+    replayed nothing would count the stored host checkpoint as missing)."""
+    trie, _ = ssm_trie(enable_events=False)
+    checkpointed(trie, PROMPT, 4, 7.0)
+    assert the_checkpoint(trie, 4)["host_slot"] is not None
+    snap = trie.snapshot()
+    assert snap["event_host_checkpoint_slots"] is None and snap["event_blocks"] is None
+    trie.check()
+
+
 def test_a_partial_checkpoint_stays_on_the_device() -> None:
     trie, _ = ssm_trie()
     checkpointed(trie, PROMPT, 3, 7.0)
