@@ -568,3 +568,40 @@ def test_inlined_eviction_refuses_an_indexed_node_that_is_not_evictable() -> Non
     with pytest.raises(InvariantViolation) as topology:
         trie.evict(1)
     assert topology.value.invariant == "topology"
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_freed_leafs_parent_goes_next_only_if_it_is_older_than_every_indexed_leaf(
+    events: bool,
+) -> None:
+    """[R10] through eviction's chain shortcut: when freeing a leaf makes its parent
+    evictable, the parent is freed in the same step only if no indexed leaf is older
+    (by tick, then serial); else it waits its turn in the index. Here the parent was
+    touched after an unrelated leaf, so evicting two blocks takes the child and that
+    leaf, and the parent stays cached."""
+    trie = BlockTrie(
+        CacheConfig(block_size=4, num_blocks=8, kv_block_shape=None, enable_events=events)
+    )
+
+    def serve(tokens: list[int]) -> None:
+        seq = trie.match(tokens)
+        trie.allocate(seq, len(tokens))
+        trie.commit(seq, len(tokens))
+        trie.release(seq)
+
+    serve([1, 1, 1, 1, 2, 2, 2, 2])  # parent P and child C, tick 1
+    serve([3, 3, 3, 3])  # leaf L, tick 2
+    serve([1, 1, 1, 1])  # P touched again: tick 3 (C keeps 1)
+    serve([5, 5, 5, 5])  # leaf D, tick 4, the newest node
+    assert trie.evict(2) == 2  # C (the oldest leaf), then L (older than P)
+
+    def cached(tokens: list[int]) -> int:
+        seq = trie.match(tokens)
+        hit = seq.num_cached_tokens
+        trie.abort(seq)
+        return hit
+
+    assert cached([1, 1, 1, 1, 2, 2, 2, 2, 9]) == 4  # P stays, C is gone
+    assert cached([3, 3, 3, 3, 9]) == 0  # L went before P
+    assert cached([5, 5, 5, 5, 9]) == 4
+    trie.check()
