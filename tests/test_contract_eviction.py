@@ -605,3 +605,27 @@ def test_a_freed_leafs_parent_goes_next_only_if_it_is_older_than_every_indexed_l
     assert cached([3, 3, 3, 3, 9]) == 0  # L went before P
     assert cached([5, 5, 5, 5, 9]) == 4
     trie.check()
+
+
+def test_a_row_freed_with_a_wide_key_reads_as_the_block_that_reuses_it() -> None:
+    """`Evictor._free` (the path eviction takes once a checkpoint exists) gives a
+    freed row back without the wide key it held (64-bit token ids are kept apart
+    from the packed uint32 keys): a plain block that reuses the row reads as its own
+    tokens, not as those of the block that held the row before, and is matched."""
+    trie, _ = ssm_trie(num_blocks=8, manual=False)
+    keep = _prefill(trie, [1] * 5)
+    trie.save(keep, 5, state(1.0))  # a checkpoint, held: eviction leaves its inline form
+    wide = _prefill(trie, [2**40] * 4 + [3] * 4)  # a block whose key is wide, and a child
+    trie.release(wide)
+    assert trie._nodes.wide  # (where a 64-bit key is kept)
+    assert trie.evict(2) == 2  # both, through `_free`
+    plain = _prefill(trie, [5] * 8)  # takes the rows back, most recently freed first
+    trie.save(plain, 8, state(2.0))  # (a hybrid hit ends at a checkpoint)
+    trie.release(plain)
+    keys = [v["key"] for v in trie.snapshot()["nodes"].values() if v["key"] is not None]
+    assert sorted(list(tokens) for tokens, _ in keys) == [[1] * 4, [5] * 4, [5] * 4]
+    again = trie.match([5] * 8 + [9])
+    assert again.num_cached_tokens == 8
+    trie.abort(again)
+    trie.abort(keep)
+    trie.check()
