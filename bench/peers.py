@@ -203,7 +203,9 @@ def clock_overhead_ns(clock: Callable[[], int]) -> float:
 
 class _EventDrain:
     """A BlockTrie with events on whose `poll` also drains the events, as an engine
-    does once per step, and then (`mode`):
+    does once per step (the planner's replay polls once per request; with `every`
+    = k, every k-th poll drains, as an engine stepping k requests at a time would),
+    and then (`mode`):
 
     - ``"encode"``: drains them unbuilt and encodes them to vLLM's wire format
       (`encode_batch`), as an in-process publishing caller does (a publisher's
@@ -215,11 +217,15 @@ class _EventDrain:
       thread pays when an encoder process builds and encodes them.
     """
 
-    def __init__(self, trie: Any, mode: str = "encode") -> None:
+    def __init__(self, trie: Any, mode: str = "encode", every: int = 1) -> None:
         from cache.kv_events import encode_batch
 
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
         self._trie = trie
         self._mode = mode
+        self._every = every
+        self._polls = 0
         self._encode = encode_batch
         self._publisher: Any = None
         if mode == "process":
@@ -237,6 +243,12 @@ class _EventDrain:
 
     def poll(self) -> int:
         n = int(self._trie.poll())
+        self._polls += 1
+        if self._polls % self._every:
+            return n
+        return self._drain(n)
+
+    def _drain(self, n: int) -> int:
         if self._publisher is not None:
             records = self._trie.drain_event_records()
             if records and not self._publisher.publish(records, ts=0.0):
@@ -248,13 +260,14 @@ class _EventDrain:
         return n
 
     def close(self) -> None:
-        """Stop the encoder process, if any."""
+        """Drain what is left (as a last step would) and stop the encoder process, if any."""
+        self._drain(0)
         if self._publisher is not None:
             self._publisher.close()
 
 
 def make_blocktrie(
-    block_size: int, capacity: int, events: bool = False, mode: str = "encode"
+    block_size: int, capacity: int, events: bool = False, mode: str = "encode", every: int = 1
 ) -> Any:
     from cache import BlockTrie, CacheConfig
 
@@ -263,15 +276,22 @@ def make_blocktrie(
             block_size=block_size, num_blocks=capacity, kv_block_shape=None, enable_events=events
         )
     )
-    return _EventDrain(trie, mode) if events else trie
+    return _EventDrain(trie, mode, every) if events else trie
 
+
+STEP = 8
+"""Requests per engine step in the events row's per-step variants (`bench.events`
+drains every 8 commits too)."""
 
 EVENT_MODES = {
     "blocktrie+events": "encode",
     "blocktrie+hash": "hash",
     "blocktrie+process": "process",
+    f"blocktrie+events/{STEP}": f"encode_per_{STEP}",
+    f"blocktrie+process/{STEP}": f"process_per_{STEP}",
 }
-"""The events-on variants the events row pairs with events off, and their keys in it."""
+"""The events-on variants the events row pairs with events off, and their keys in it
+(`/8`: drained once per 8 polls, the others at every poll)."""
 
 IMPLS: dict[str, Callable[[int, int], Any]] = {
     "blocktrie": make_blocktrie,
@@ -280,6 +300,10 @@ IMPLS: dict[str, Callable[[int, int], Any]] = {
     "blocktrie+events": lambda b, cap: make_blocktrie(b, cap, events=True),
     "blocktrie+hash": lambda b, cap: make_blocktrie(b, cap, events=True, mode="hash"),
     "blocktrie+process": lambda b, cap: make_blocktrie(b, cap, events=True, mode="process"),
+    f"blocktrie+events/{STEP}": lambda b, cap: make_blocktrie(b, cap, events=True, every=STEP),
+    f"blocktrie+process/{STEP}": (
+        lambda b, cap: make_blocktrie(b, cap, events=True, mode="process", every=STEP)
+    ),
 }
 
 
@@ -517,15 +541,22 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
         + "[/dim]"
     )
     if events_row is not None:
-        enc, hashed, process = (events_row[k] for k in ("encode", "hash", "process"))
+        enc, hashed, process, enc_step, process_step = (
+            events_row[k]
+            for k in ("encode", "hash", "process", f"encode_per_{STEP}", f"process_per_{STEP}")
+        )
         print_(
-            f"  events on vs off, {events_row['row']} (xxh3 block hashes; drained each poll; "
+            f"  events on vs off, {events_row['row']} (xxh3 block hashes; drained at each "
+            f"poll, once per request, unless said; "
             f"each events-on trie replayed with an events-off one in turns, call by call, "
             f"GC paused; median of {events_row['runs']} runs): drained and encoded "
             f"{enc['on_ns_per_block']:,.0f} vs {enc['off_ns_per_block']:,.0f} ns/block "
             f"(+{enc['ratio'] - 1:.2f}x); the stable hash alone (drained, not encoded) "
             f"+{hashed['ratio'] - 1:.2f}x; published through an encoder process "
-            f"(ProcessEventPublisher; the engine thread's CPU) +{process['ratio'] - 1:.2f}x"
+            f"(ProcessEventPublisher; the engine thread's CPU) +{process['ratio'] - 1:.2f}x. "
+            f"Drained once per {STEP} requests (an engine step of {STEP}): encoded "
+            f"+{enc_step['ratio'] - 1:.2f}x, through the encoder process "
+            f"+{process_step['ratio'] - 1:.2f}x"
         )
     memory: dict[str, Any] = {}
     if args.memory:

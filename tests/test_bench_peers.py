@@ -80,13 +80,41 @@ def test_event_rows_hit_as_blocktrie_and_stop_their_encoder(
     for name in EVENT_MODES:
         r = run_once(workload, PEER_IMPLS[name], 16, 64, 0.0)
         assert (r["hit_rate"], r["evicted_blocks"]) == (base["hit_rate"], base["evicted_blocks"])
-    assert len(started) == 1
-    (publisher,) = started
-    assert publisher._closed
-    assert publisher._proc is not None and publisher._proc.poll() is not None  # exited
-    assert publisher.published_batches >= 1 and publisher.dropped_batches == 0
-    with pytest.raises(RuntimeError, match="closed"):
-        publisher.publish([])
+    assert len(started) == sum(name.startswith("blocktrie+process") for name in EVENT_MODES)
+    for publisher in started:
+        assert publisher._closed
+        assert publisher._proc is not None and publisher._proc.poll() is not None  # exited
+        assert publisher.published_batches >= 1 and publisher.dropped_batches == 0
+        with pytest.raises(RuntimeError, match="closed"):
+            publisher.publish([])
+
+
+def test_a_per_step_variant_drains_every_kth_poll_and_the_rest_when_closed() -> None:
+    """`every=k` drains the events at every k-th poll (an engine stepping k requests
+    at a time), and `close` drains what the last, partial step left."""
+    from bench.peers import make_blocktrie
+
+    trie = make_blocktrie(4, 16, events=True, mode="hash", every=3)
+    drains: list[int] = []
+    drain = trie._trie.drain_event_records
+
+    def counted() -> object:
+        records = drain()
+        drains.append(len(records))
+        return records
+
+    trie._trie.drain_event_records = counted
+    for i in range(7):
+        seq = trie.match([i] * 4)
+        trie.allocate(seq, 4)
+        trie.commit(seq, 4)
+        trie.release(seq)
+        trie.poll()
+    assert drains == [3, 3]  # a stored run per commit, drained at polls 3 and 6
+    trie.close()
+    assert drains == [3, 3, 1]
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        make_blocktrie(4, 16, events=True, every=0)
 
 
 def test_memory_probe_counts_cached_blocks() -> None:
@@ -137,9 +165,10 @@ def test_the_section_reports_every_row_it_has_a_trace_for_and_the_paired_events_
     assert [r["capacity"] for r in report["rows"]] == [20_000, 60_000, 200_000, 200_000]
     events = report["events"]
     assert events["row"] == "conversation, 60k" and events["runs"] == 2
-    for key in ("encode", "hash", "process"):
+    for key in EVENT_MODES.values():
         cell = events[key]
         assert cell["off_ns_per_block"] > 0 and cell["on_ns_per_block"] > 0 and cell["ratio"] > 0
     text = "\n".join(lines)
     assert "shared-prefix trace, 100k (no eviction): skipped" in text
     assert "events on vs off, conversation, 60k" in text and "median of 2 runs" in text
+    assert "Drained once per 8 requests (an engine step of 8)" in text
