@@ -261,9 +261,11 @@ class _EventDrain:
 
     def close(self) -> None:
         """Drain what is left (as a last step would) and stop the encoder process, if any."""
-        self._drain(0)
-        if self._publisher is not None:
-            self._publisher.close()
+        try:
+            self._drain(0)
+        finally:
+            if self._publisher is not None:
+                self._publisher.close()
 
 
 def make_blocktrie(
