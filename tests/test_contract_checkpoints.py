@@ -221,3 +221,19 @@ def test_a_checkpoint_keeps_its_tail_identity_and_only_that_identity_hits_it() -
     assert same.restore is not None and same.restore.step == 6
     trie.abort(same)
     trie.check()
+
+
+def test_evicting_several_checkpoints_counts_each_of_them() -> None:
+    """`evict_checkpoints(n)` frees the n least recent unpinned checkpoints (their
+    nodes stay) and `stats.evicted_checkpoints` counts every one of them."""
+    trie, _ = ssm_trie(manual=False)
+    for i in (1, 2, 3):
+        seq = _prefill(trie, [i] * 8)
+        trie.save(seq, 8, state(float(i)))
+        trie.release(seq)
+    assert trie.evict_checkpoints(2) == 2
+    assert trie.stats.evicted_checkpoints == 2
+    assert trie.evict_checkpoints(5) == 1  # only one is left
+    assert trie.stats.evicted_checkpoints == 3
+    assert trie.num_cached_blocks == 6  # the nodes stay
+    trie.check()
