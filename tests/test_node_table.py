@@ -196,3 +196,73 @@ def test_new_chain_refuses_a_hash_count_that_is_not_one_per_block() -> None:
     a, b = table.new_chain(root, keys, 0, [5, 6], 1, 1, [11, 12], "cached")
     assert (table.block_hash[a], table.block_hash[b]) == (11, 12)
     assert (table.block[a], table.block[b]) == (5, 6) and table.parent[b] == a
+
+
+def test_a_plain_key_is_written_in_its_own_row_and_nowhere_else() -> None:
+    """`new` writes a plain key over its row's bytes of the `tokens` column: the
+    column keeps its length and every other row keeps its tokens."""
+    table, root = _table()
+    first = _child(table, root, KEYS[0], 1)
+    second = _child(table, root, KEYS[1], 2)
+    size = len(table.tokens)
+    table.detach_child(root, first)
+    table.release(first)
+    again = _child(table, root, KEYS[2], 3)
+    assert again == first
+    assert len(table.tokens) == size
+    assert (table.tokens_of(again), table.tokens_of(second)) == ((1, 3), (3, 4))
+
+
+def test_a_namespace_is_named_once_however_many_nodes_it_holds() -> None:
+    table, root = _table()
+    other = table.new(NO_NODE, None, NO_BLOCK, -2, 0, 0, "root", "tenant")
+    for serial in (1, 2, 3):
+        _child(table, other, KEYS[serial], serial)
+    _child(table, root, KEYS[0], 4)
+    assert table.names == ["", "tenant"]
+    spaces = [table.namespace_of(n) for n in table.used()]
+    assert spaces == ["", "tenant", "tenant", "tenant", "tenant", ""]
+
+
+def test_used_lists_the_rows_holding_a_node_in_id_order() -> None:
+    table, root = _table()
+    nodes = [_child(table, root, KEYS[i], i) for i in range(3)]
+    assert table.used() == [root, *nodes]
+    table.detach_child(root, nodes[1])
+    table.release(nodes[1])
+    assert table.used() == [root, nodes[0], nodes[2]]
+
+
+def test_a_released_root_leaves_no_children_dict_and_reads_as_a_free_leaf() -> None:
+    """A root's row, given back, is what `new_chain` expects of a free row: a leaf
+    (`NO_CHILD`) with no children dict left behind. Releasing a row whose node
+    held no wide key leaves the other rows' wide keys alone."""
+    table, root = _table()
+    wide = _child(table, root, (KEYS[0], "identity"), 1)
+    other = table.new(NO_NODE, None, NO_BLOCK, -2, 0, 0, "root", "tenant")
+    assert table.child[other] == MANY and other in table.kids
+    table.release(other)
+    assert table.child[other] == NO_CHILD and other not in table.kids
+    plain = _child(table, root, KEYS[1], 2)
+    table.detach_child(root, plain)
+    table.release(plain)  # no wide key of its own
+    assert table.key(wide) == (KEYS[0], "identity")
+
+
+def test_errors_name_what_was_refused() -> None:
+    from cache.node import Constant
+
+    with pytest.raises(ValueError, match="hashes must be 'u64', 'wide' or 'none', got 'md5'"):
+        NodeTable(B, 4, hashes="md5")
+    with pytest.raises(ValueError, match=r"^row 3: this column is constant 0, not 1$"):
+        Constant(0)[3] = 1
+    table, root = _table()
+    parent = _link(table, root)
+    with pytest.raises(KeyError, match=r"^3$"):
+        table.detach_child(parent, 3)  # `parent` has no child
+    only = _child(table, parent, KEYS[0], 1)
+    with pytest.raises(KeyError, match=rf"^{only + 1}$"):
+        table.detach_child(parent, only + 1)  # not its one child
+    _child(table, parent, KEYS[1], 2)
+    with pytest.raises(KeyError, match=rf"^{root}$"):
+        table.detach_child(parent, root)  # not among its children
