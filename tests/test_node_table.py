@@ -266,3 +266,25 @@ def test_errors_name_what_was_refused() -> None:
     _child(table, parent, KEYS[1], 2)
     with pytest.raises(KeyError, match=rf"^{root}$"):
         table.detach_child(parent, root)  # not among its children
+
+
+def test_row_zero_reused_as_an_only_child_is_a_child_like_any_other() -> None:
+    """Row 0 (the first root's) given back and reused for a node: as the only child
+    of a non-root parent it is found, listed, counted, joined by a sibling and
+    detached like a child in any other row."""
+    table, first_root = _table()
+    second_root = table.new(NO_NODE, None, NO_BLOCK, -2, 0, 0, "root", "")
+    parent = _link(table, second_root)
+    table.release(first_root)
+    child = _child(table, parent, KEYS[0], 1)
+    assert child == 0
+    assert table.child[parent] == 0
+    assert table.child_of(parent, KEYS[0]) == 0
+    assert table.child_nodes(parent) == [0]
+    assert table.child_count(parent) == 1
+    sibling = _child(table, parent, KEYS[1], 2)
+    assert sorted(table.child_nodes(parent)) == [0, sibling]
+    table.detach_child(parent, sibling)
+    assert table.child[parent] == 0
+    table.detach_child(parent, 0)
+    assert table.child[parent] == NO_CHILD and table.child_count(parent) == 0
