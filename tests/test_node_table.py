@@ -288,3 +288,11 @@ def test_row_zero_reused_as_an_only_child_is_a_child_like_any_other() -> None:
     assert table.child[parent] == 0
     table.detach_child(parent, 0)
     assert table.child[parent] == NO_CHILD and table.child_count(parent) == 0
+
+
+def test_a_state_the_spec_does_not_name_gets_a_code_that_reads_back() -> None:
+    from cache.node import state_code
+
+    code = state_code("test-only-state")
+    assert state_name(code) == "test-only-state"
+    assert state_code("test-only-state") == code
