@@ -296,3 +296,10 @@ def test_a_state_the_spec_does_not_name_gets_a_code_that_reads_back() -> None:
     code = state_code("test-only-state")
     assert state_name(code) == "test-only-state"
     assert state_code("test-only-state") == code
+
+
+def test_a_table_makes_at_least_one_row_and_no_more_than_asked() -> None:
+    for capacity, initial in ((0, None), (1, None), (8, 1), (8, 0)):
+        table = NodeTable(B, capacity, initial=initial)
+        assert table.capacity == 1 and len(table.tick) == len(table.state) == 1
+        assert table.limit == max(capacity, 1)
