@@ -303,3 +303,32 @@ def test_a_table_makes_at_least_one_row_and_no_more_than_asked() -> None:
         table = NodeTable(B, capacity, initial=initial)
         assert table.capacity == 1 and len(table.tick) == len(table.state) == 1
         assert table.limit == max(capacity, 1)
+
+
+def test_state_codes_stop_at_one_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`state` holds one byte per node: a 257th state name is refused, saying which."""
+    import cache.node as node
+
+    names = list(node.STATE_NAMES)
+    names += [f"filler-{i}" for i in range(255 - len(names))]
+    monkeypatch.setattr(node, "STATE_NAMES", names)
+    monkeypatch.setattr(node, "_STATE_CODES", {name: code for code, name in enumerate(names)})
+    assert node.state_code("the-256th") == 255  # the last code a byte holds
+    with pytest.raises(ValueError, match="no state code left for 'the-257th'"):
+        node.state_code("the-257th")
+    assert len(names) == 256 and node.state_code("the-256th") == 255
+
+
+def test_a_fact_the_configuration_never_varies_keeps_no_column() -> None:
+    """Events off keeps no hash column; no host tier keeps no host or residency
+    column: each is one `Constant` (what a cached block costs, issue 13)."""
+    from cache.node import Constant
+
+    lean = NodeTable(B, 64, hashes="none", host_tier=False)
+    assert isinstance(lean.block_hash, Constant) and lean.block_hash.value == 0
+    assert isinstance(lean.host, Constant) and lean.host.value == NO_BLOCK
+    assert isinstance(lean.residency, Constant) and lean.residency.value == "device"
+    full = NodeTable(B, 64, hashes="u64", host_tier=True)
+    for column in (full.block_hash, full.host, full.residency):
+        assert len(column) == 64  # type: ignore[arg-type]
+    assert len(NodeTable(B, 64, hashes="wide").block_hash) == 64  # type: ignore[arg-type]
