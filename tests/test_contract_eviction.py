@@ -629,3 +629,40 @@ def test_a_row_freed_with_a_wide_key_reads_as_the_block_that_reuses_it() -> None
     trie.abort(again)
     trie.abort(keep)
     trie.check()
+
+
+def test_the_parent_shortcut_compares_with_the_oldest_leaf_wherever_rows_lie() -> None:
+    """[R10] as above, in a table whose every row is in use and whose last row holds
+    the newest leaf: the parent is compared with the oldest indexed leaf, not with
+    whatever node a row index happens to name, so it still waits its turn."""
+    trie = BlockTrie(CacheConfig(block_size=4, num_blocks=4, kv_block_shape=None))
+
+    def serve(tokens: list[int], namespace: str = "") -> None:
+        seq = trie.match(tokens, namespace=namespace)
+        trie.allocate(seq, len(tokens))
+        trie.commit(seq, len(tokens))
+        trie.release(seq)
+
+    for i in range(1, 8):  # seven more namespaces: their roots fill the spare rows
+        serve([7] * 4, f"n{i}")
+    trie.evict(4)
+    serve([1, 1, 1, 1, 2, 2, 2, 2])  # parent P and child C
+    serve([3, 3, 3, 3])  # leaf L
+    serve([1, 1, 1, 1])  # P touched again (C is not)
+    serve([5, 5, 5, 5])  # leaf D, the newest node
+    t = trie._nodes
+    last = t.capacity - 1
+    assert t.fresh == t.capacity and not t.free_rows  # every row in use
+    assert t.tokens_of(last) == (5, 5, 5, 5)  # the last row holds D
+    assert trie.evict(2) == 2  # C (the oldest leaf), then L (older than P)
+
+    def cached(tokens: list[int]) -> int:
+        seq = trie.match(tokens)
+        hit = seq.num_cached_tokens
+        trie.abort(seq)
+        return hit
+
+    assert cached([1, 1, 1, 1, 2, 2, 2, 2, 9]) == 4  # P stays, C is gone
+    assert cached([3, 3, 3, 3, 9]) == 0  # L went before P
+    assert cached([5, 5, 5, 5, 9]) == 4
+    trie.check()
