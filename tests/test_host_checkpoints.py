@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cache import BlockTrie, CacheConfig, ConfigError, Copy, ManualCopies, Sequence
+from cache.config import HostTierUnusedWarning
 from cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from spec.errors import InvariantViolation
 from spec.invariants import violations
@@ -97,6 +98,25 @@ def test_without_host_slots_nothing_changes() -> None:
 
 
 # ---------------------------------------------------------------- store ([R53])
+
+
+def test_copies_are_numbered_in_the_order_built_and_a_store_carries_its_step() -> None:
+    """Each copy a trie builds takes the trie's next serial (what errors and logs
+    name it by), whichever part built it: a KV store (the host tier's), a save, a
+    checkpoint's store. A checkpoint's store copy carries the checkpoint's step."""
+    with pytest.warns(HostTierUnusedWarning):
+        trie, copies = ssm_trie(manual=True, num_host_blocks=8)
+    assert copies is not None
+    checkpointed(trie, PROMPT, 4, 7.0)
+    checkpointed(trie, [7, 7, 7, 7, 7], 2, 6.0)
+    assert [(c.serial, c.kind, c.step) for c in copies.pending()] == [
+        (1, "store", 0),
+        (2, "save", 4),
+        (3, "store", 4),
+        (4, "store", 0),
+        (5, "save", 2),
+        (6, "store", 2),
+    ]
 
 
 def test_a_block_aligned_checkpoint_is_stored_to_a_host_slot_as_it_is_saved() -> None:
