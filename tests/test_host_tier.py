@@ -843,3 +843,69 @@ def test_a_host_tier_with_ssm_checkpoints_warns_that_it_is_never_read() -> None:
         warnings.simplefilter("error")  # either tier alone does not warn
         CacheConfig(block_size=B, num_blocks=4, num_host_blocks=8)
         CacheConfig(block_size=B, num_blocks=4, num_checkpoint_slots=2, num_host_checkpoint_slots=2)
+
+
+def test_the_host_tier_evicts_its_least_recently_used_leaf_not_its_oldest() -> None:
+    """[R47] by the logical clock: of two host-only leaves, a store that needs a host
+    block evicts the one used least recently, though the other was created first."""
+    trie, _ = host_trie(num_blocks=4, host_blocks=2)
+    serve(trie, [1, 1, 9])  # A, created first
+    serve(trie, [2, 2, 9])  # B
+    serve(trie, [1, 1, 9])  # A used again: now the more recent
+    assert trie.evict(2) == 2  # both offloaded: host-only leaves
+    serve(trie, [3, 3, 9])  # its store needs one of their host blocks
+
+    def hit(tokens: list[int]) -> int:
+        seq = trie.match(tokens)
+        cached = seq.num_cached_tokens
+        trie.abort(seq)
+        return cached
+
+    assert (hit([1, 1, 9]), hit([2, 2, 9])) == (2, 0)  # B went; A stays on the host
+    trie.check()
+
+
+def test_each_host_tier_step_refuses_a_node_in_the_wrong_state_naming_it() -> None:
+    """The host tier's lifecycle steps are the spec's: storing, finishing or failing
+    a store, loading and adopting a node whose residency does not allow it, or
+    freeing a node a request holds, raises the spec's `IllegalTransition` naming
+    the node, and changes nothing (the hot paths' table lookups fall back to the
+    spec's step for any state they do not hold)."""
+    from cache.copies import Copy
+    from spec.errors import IllegalTransition
+    from tests.helpers import frozen
+
+    trie, _ = host_trie()
+    held = trie.match([1, 1, 2, 2, 9])
+    trie.allocate(held, 5)
+    compute(trie, held, [1, 1, 2, 2, 9])
+    trie.commit(held, 5)  # two nodes, stored at commit: `mirrored`, `cached` (held)
+    host = trie._host
+    assert host is not None
+    node = NodeRef(trie, held.path[-1])
+    assert (node.state, node.residency) == (NodeState.CACHED.value, Residency.MIRRORED.value)
+
+    def finished(failed: bool) -> Copy:
+        copy = Copy("store", 0, [], (), 0)
+        copy.nodes.append(node.id)
+        copy.failed = failed
+        return copy
+
+    attempts = [
+        (lambda: host.begin_store(node.id, 0), ("residency", "store", "mirrored")),
+        (lambda: host.stored(finished(False)), ("residency", "stored", "mirrored")),
+        (lambda: host.stored(finished(True)), ("residency", "store_failed", "mirrored")),
+        (lambda: host.begin_load(node.id), ("residency", "load", "mirrored")),
+        (lambda: host.adopt(node.id), ("residency", "adopt", "mirrored")),
+        (lambda: host._free(node.id), ("node", "free", "cached")),
+    ]
+    for attempt, transition in attempts:
+        before = frozen(trie.snapshot())
+        with pytest.raises(IllegalTransition) as info:
+            attempt()
+        error = info.value
+        assert (error.machine, error.trigger, error.state) == transition
+        assert error.subject == repr(node)
+        assert frozen(trie.snapshot()) == before
+    trie.release(held)
+    trie.check()
