@@ -8,8 +8,8 @@ invariant 10 ("replaying the events yields exactly the cached block set") can
 be checked at any time. An event is applied to them when it is recorded, from
 the block ids it carries, while the commit or eviction still has them in hand:
 draining moves the records out and touches nothing else (applying them there
-walked every record a second time, through `replay_views` for each removal). When events are disabled
-every emitter is a no-op and nothing accumulates.
+walked every record a second time, through `replay_views` for each removal).
+When events are disabled every emitter is a no-op and nothing accumulates.
 
 A commit's `BlockStored` (the hot one: one per commit that attaches blocks) is
 recorded as a *stored run* (`StoredRun`: the parent's hash, the new blocks'

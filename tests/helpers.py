@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
-from cache import BlockTrie, CacheConfig, ManualCopies
+from cache import BlockTrie, CacheConfig, IllegalTransition, ManualCopies
 from cache.node import NO_NODE, Node, state_code, state_name
 from spec.snapshot import Snapshot
 
@@ -71,6 +73,28 @@ def serve(trie: BlockTrie, tokens: list[int], namespace: str = "", extra: Any = 
 def frozen(snap: Snapshot) -> dict[str, Any]:
     """Everything in a snapshot that a failed or undone operation must leave as it was."""
     return {k: v for k, v in snap.items() if k not in ("event_blocks", "event_checkpoint_slots")}
+
+
+def hit(trie: BlockTrie, tokens: list[int], namespace: str = "") -> int:
+    """The tokens a match of `tokens` finds cached; the match is aborted (nothing changes)."""
+    seq = trie.match(tokens, namespace=namespace)
+    cached = seq.num_cached_tokens
+    trie.abort(seq)
+    return cached
+
+
+def refused_changing_nothing(
+    trie: BlockTrie, step: Callable[[], object], transition: tuple[str, str, str], node: NodeRef
+) -> None:
+    """`step()` raises the spec's `IllegalTransition` for `transition` (machine,
+    trigger, state), naming `node`, and leaves the trie as it was."""
+    before = frozen(trie.snapshot())
+    with pytest.raises(IllegalTransition) as info:
+        step()
+    error = info.value
+    assert (error.machine, error.trigger, error.state) == transition
+    assert error.subject == repr(node)
+    assert frozen(trie.snapshot()) == before
 
 
 SMALL_WORKLOAD = ["--users", "6", "--turns", "2", "--system-tokens", "64", "--user-tokens", "16"]

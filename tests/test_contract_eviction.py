@@ -10,7 +10,6 @@ parent, by the node lifecycle's own error naming it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -29,21 +28,16 @@ from cache.keys import pack_tokens
 from cache.node import NO_BLOCK, NO_CHILD, NO_NODE, state_code
 from spec.errors import InvariantViolation
 from spec.lifecycle import NODE, NodeState, NodeTrigger, Residency
-from tests.helpers import NodeRef, frozen, root_of, ssm_trie, state
-
-
-def _refused_changing_nothing(
-    trie: BlockTrie, step: Callable[[], object], transition: tuple[str, str, str], node: NodeRef
-) -> None:
-    """`step()` raises the spec's `IllegalTransition` for `transition` (machine,
-    trigger, state), naming `node`, and leaves the trie as it was."""
-    before = frozen(trie.snapshot())
-    with pytest.raises(IllegalTransition) as info:
-        step()
-    error = info.value
-    assert (error.machine, error.trigger, error.state) == transition
-    assert error.subject == repr(node)
-    assert frozen(trie.snapshot()) == before
+from tests.helpers import (
+    NodeRef,
+    frozen,
+    hit,
+    refused_changing_nothing,
+    root_of,
+    serve,
+    ssm_trie,
+    state,
+)
 
 
 def _prefill(trie: BlockTrie, tokens: list[int]) -> Sequence:
@@ -130,7 +124,7 @@ def test_freeing_a_node_that_is_not_evictable_is_the_node_lifecycles_error() -> 
     inner, leaf = _inner_and_pinned(trie)
     assert (inner.state, leaf.state) == ("cached", "pinned")
     for node in (inner, leaf):
-        _refused_changing_nothing(
+        refused_changing_nothing(
             trie, partial(trie._evictor._free, node.id), ("node", "free", node.state), node
         )
 
@@ -245,7 +239,7 @@ def test_offloading_a_leaf_with_no_host_copy_is_the_residency_lifecycles_error()
     trie.release(_prefill(trie, [1, 1, 9]))  # write-back: no store yet
     (leaf,) = root_of(trie).child_nodes()
     assert (leaf.state, leaf.residency) == ("evictable", Residency.DEVICE.value)
-    _refused_changing_nothing(
+    refused_changing_nothing(
         trie,
         lambda: trie._evictor._offload(leaf.id),
         ("residency", "offload", leaf.residency),
@@ -260,7 +254,7 @@ def test_offloading_a_leaf_in_use_is_the_node_lifecycles_error() -> None:
     leaf = _mirrored_leaf(trie, copies)
     seq = trie.match([1, 1, 9])
     assert leaf.state == NodeState.CACHED.value
-    _refused_changing_nothing(
+    refused_changing_nothing(
         trie, lambda: trie._evictor._offload(leaf.id), ("node", "offload", "cached"), leaf
     )
     trie.release(seq)
@@ -570,6 +564,22 @@ def test_inlined_eviction_refuses_an_indexed_node_that_is_not_evictable() -> Non
     assert topology.value.invariant == "topology"
 
 
+def _parent_touched_after_an_unrelated_leaf(trie: BlockTrie) -> None:
+    """Parent P and child C, then leaf L, then P used again, then leaf D, the newest."""
+    serve(trie, [1, 1, 1, 1, 2, 2, 2, 2])  # P and C
+    serve(trie, [3, 3, 3, 3])  # L
+    serve(trie, [1, 1, 1, 1])  # P touched again (C is not)
+    serve(trie, [5, 5, 5, 5])  # D
+
+
+def _evicting_two_takes_the_child_then_the_older_leaf(trie: BlockTrie) -> None:
+    assert trie.evict(2) == 2  # C (the oldest leaf), then L (older than P)
+    assert hit(trie, [1, 1, 1, 1, 2, 2, 2, 2, 9]) == 4  # P stays, C is gone
+    assert hit(trie, [3, 3, 3, 3, 9]) == 0  # L went before P
+    assert hit(trie, [5, 5, 5, 5, 9]) == 4
+    trie.check()
+
+
 @pytest.mark.parametrize("events", [False, True])
 def test_a_freed_leafs_parent_goes_next_only_if_it_is_older_than_every_indexed_leaf(
     events: bool,
@@ -582,29 +592,8 @@ def test_a_freed_leafs_parent_goes_next_only_if_it_is_older_than_every_indexed_l
     trie = BlockTrie(
         CacheConfig(block_size=4, num_blocks=8, kv_block_shape=None, enable_events=events)
     )
-
-    def serve(tokens: list[int]) -> None:
-        seq = trie.match(tokens)
-        trie.allocate(seq, len(tokens))
-        trie.commit(seq, len(tokens))
-        trie.release(seq)
-
-    serve([1, 1, 1, 1, 2, 2, 2, 2])  # parent P and child C, tick 1
-    serve([3, 3, 3, 3])  # leaf L, tick 2
-    serve([1, 1, 1, 1])  # P touched again: tick 3 (C keeps 1)
-    serve([5, 5, 5, 5])  # leaf D, tick 4, the newest node
-    assert trie.evict(2) == 2  # C (the oldest leaf), then L (older than P)
-
-    def cached(tokens: list[int]) -> int:
-        seq = trie.match(tokens)
-        hit = seq.num_cached_tokens
-        trie.abort(seq)
-        return hit
-
-    assert cached([1, 1, 1, 1, 2, 2, 2, 2, 9]) == 4  # P stays, C is gone
-    assert cached([3, 3, 3, 3, 9]) == 0  # L went before P
-    assert cached([5, 5, 5, 5, 9]) == 4
-    trie.check()
+    _parent_touched_after_an_unrelated_leaf(trie)
+    _evicting_two_takes_the_child_then_the_older_leaf(trie)
 
 
 def test_a_row_freed_with_a_wide_key_reads_as_the_block_that_reuses_it() -> None:
@@ -636,33 +625,11 @@ def test_the_parent_shortcut_compares_with_the_oldest_leaf_wherever_rows_lie() -
     the newest leaf: the parent is compared with the oldest indexed leaf, not with
     whatever node a row index happens to name, so it still waits its turn."""
     trie = BlockTrie(CacheConfig(block_size=4, num_blocks=4, kv_block_shape=None))
-
-    def serve(tokens: list[int], namespace: str = "") -> None:
-        seq = trie.match(tokens, namespace=namespace)
-        trie.allocate(seq, len(tokens))
-        trie.commit(seq, len(tokens))
-        trie.release(seq)
-
     for i in range(1, 8):  # seven more namespaces: their roots fill the spare rows
-        serve([7] * 4, f"n{i}")
+        serve(trie, [7] * 4, f"n{i}")
     trie.evict(4)
-    serve([1, 1, 1, 1, 2, 2, 2, 2])  # parent P and child C
-    serve([3, 3, 3, 3])  # leaf L
-    serve([1, 1, 1, 1])  # P touched again (C is not)
-    serve([5, 5, 5, 5])  # leaf D, the newest node
+    _parent_touched_after_an_unrelated_leaf(trie)
     t = trie._nodes
-    last = t.capacity - 1
     assert t.fresh == t.capacity and not t.free_rows  # every row in use
-    assert t.tokens_of(last) == (5, 5, 5, 5)  # the last row holds D
-    assert trie.evict(2) == 2  # C (the oldest leaf), then L (older than P)
-
-    def cached(tokens: list[int]) -> int:
-        seq = trie.match(tokens)
-        hit = seq.num_cached_tokens
-        trie.abort(seq)
-        return hit
-
-    assert cached([1, 1, 1, 1, 2, 2, 2, 2, 9]) == 4  # P stays, C is gone
-    assert cached([3, 3, 3, 3, 9]) == 0  # L went before P
-    assert cached([5, 5, 5, 5, 9]) == 4
-    trie.check()
+    assert t.tokens_of(t.capacity - 1) == (5, 5, 5, 5)  # the last row holds D
+    _evicting_two_takes_the_child_then_the_older_leaf(trie)

@@ -30,7 +30,7 @@ from cache import (
 from cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, replay
 from spec.invariants import rollback
 from spec.lifecycle import NodeState, Residency
-from tests.helpers import NodeRef, root_of
+from tests.helpers import NodeRef, hit, refused_changing_nothing, root_of
 
 B = 2
 
@@ -855,13 +855,7 @@ def test_the_host_tier_evicts_its_least_recently_used_leaf_not_its_oldest() -> N
     assert trie.evict(2) == 2  # both offloaded: host-only leaves
     serve(trie, [3, 3, 9])  # its store needs one of their host blocks
 
-    def hit(tokens: list[int]) -> int:
-        seq = trie.match(tokens)
-        cached = seq.num_cached_tokens
-        trie.abort(seq)
-        return cached
-
-    assert (hit([1, 1, 9]), hit([2, 2, 9])) == (2, 0)  # B went; A stays on the host
+    assert (hit(trie, [1, 1, 9]), hit(trie, [2, 2, 9])) == (2, 0)  # B went; A stays
     trie.check()
 
 
@@ -872,8 +866,6 @@ def test_each_host_tier_step_refuses_a_node_in_the_wrong_state_naming_it() -> No
     the node, and changes nothing (the hot paths' table lookups fall back to the
     spec's step for any state they do not hold)."""
     from cache.copies import Copy
-    from spec.errors import IllegalTransition
-    from tests.helpers import frozen
 
     trie, _ = host_trie()
     held = trie.match([1, 1, 2, 2, 9])
@@ -900,12 +892,6 @@ def test_each_host_tier_step_refuses_a_node_in_the_wrong_state_naming_it() -> No
         (lambda: host._free(node.id), ("node", "free", "cached")),
     ]
     for attempt, transition in attempts:
-        before = frozen(trie.snapshot())
-        with pytest.raises(IllegalTransition) as info:
-            attempt()
-        error = info.value
-        assert (error.machine, error.trigger, error.state) == transition
-        assert error.subject == repr(node)
-        assert frozen(trie.snapshot()) == before
+        refused_changing_nothing(trie, attempt, transition, node)
     trie.release(held)
     trie.check()
