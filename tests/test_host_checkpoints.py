@@ -9,8 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache import BlockTrie, CacheConfig, ConfigError, Copy, ManualCopies, Sequence
-from cache.config import HostTierUnusedWarning
+from cache import (
+    BlockTrie,
+    CacheConfig,
+    ConfigError,
+    Copy,
+    HostTierUnusedWarning,
+    ManualCopies,
+    Sequence,
+)
 from cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from spec.errors import InvariantViolation
 from spec.invariants import violations

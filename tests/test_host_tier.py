@@ -854,7 +854,6 @@ def test_the_host_tier_evicts_its_least_recently_used_leaf_not_its_oldest() -> N
     serve(trie, [1, 1, 9])  # A used again: now the more recent
     assert trie.evict(2) == 2  # both offloaded: host-only leaves
     serve(trie, [3, 3, 9])  # its store needs one of their host blocks
-
     assert (hit(trie, [1, 1, 9]), hit(trie, [2, 2, 9])) == (2, 0)  # B went; A stays
     trie.check()
 
@@ -865,8 +864,6 @@ def test_each_host_tier_step_refuses_a_node_in_the_wrong_state_naming_it() -> No
     freeing a node a request holds, raises the spec's `IllegalTransition` naming
     the node, and changes nothing (the hot paths' table lookups fall back to the
     spec's step for any state they do not hold)."""
-    from cache.copies import Copy
-
     trie, _ = host_trie()
     held = trie.match([1, 1, 2, 2, 9])
     trie.allocate(held, 5)

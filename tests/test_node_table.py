@@ -16,8 +16,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import cache.node
 from cache.keys import HashedKey, pack_tokens
-from cache.node import MANY, NO_BLOCK, NO_CHILD, NO_NODE, Node, NodeTable, state_name
+from cache.node import (
+    MANY,
+    NO_BLOCK,
+    NO_CHILD,
+    NO_NODE,
+    Constant,
+    Node,
+    NodeTable,
+    state_name,
+)
 
 B = 2  # block size: plain keys are 8 bytes
 
@@ -307,8 +317,7 @@ def test_a_table_makes_at_least_one_row_and_no_more_than_asked() -> None:
 
 def test_state_codes_stop_at_one_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     """`state` holds one byte per node: a 257th state name is refused, saying which."""
-    import cache.node as node
-
+    node = cache.node
     names = list(node.STATE_NAMES)
     names += [f"filler-{i}" for i in range(255 - len(names))]
     monkeypatch.setattr(node, "STATE_NAMES", names)
@@ -322,8 +331,6 @@ def test_state_codes_stop_at_one_byte(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_fact_the_configuration_never_varies_keeps_no_column() -> None:
     """Events off keeps no hash column; no host tier keeps no host or residency
     column: each is one `Constant` (what a cached block costs, issue 13)."""
-    from cache.node import Constant
-
     lean = NodeTable(B, 64, hashes="none", host_tier=False)
     assert isinstance(lean.block_hash, Constant) and lean.block_hash.value == 0
     assert isinstance(lean.host, Constant) and lean.host.value == NO_BLOCK
