@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections.abc import Callable
 
 import pytest
 import torch
 
+import cache.trie
 from cache import (
     BlockTrie,
     CacheConfig,
@@ -39,6 +41,7 @@ from cache import (
     OutOfBlocks,
     Sequence,
 )
+from cache.node import Constant
 from cache.sequence import PinReceipt
 from spec.errors import (
     CheckpointError,
@@ -49,7 +52,7 @@ from spec.errors import (
 )
 from spec.invariants import rollback
 from spec.lifecycle import CopyTrigger, Residency
-from tests.helpers import empty_state, serve, ssm_trie, state
+from tests.helpers import empty_state, hit, serve, ssm_trie, state
 
 B = 2
 A = [1, 1, 2, 2, 3, 3, 9]  # three full blocks and one token
@@ -1379,4 +1382,132 @@ def test_a_restore_without_a_frozen_tail_that_fails_when_queued_takes_back_no_bl
     assert hit.block_ids == blocks and trie.stats.restores == 1
     assert torch.equal(runtime["ssm"], state(1.0)["ssm"])
     trie.release(hit)
+    trie.check()
+
+
+def test_the_node_table_is_made_up_front_up_to_a_bound_and_grows_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Room for every block a trie holds (device and host) and 8 roots: made up front
+    while that is at most `_ROWS_UP_FRONT` rows (bound shrunk to 64 here), else an
+    eighth of the bound up front and the rest as the table fills."""
+    monkeypatch.setattr(cache.trie, "_ROWS_UP_FRONT", 64)
+    at_bound = BlockTrie(CacheConfig(block_size=B, num_blocks=56))
+    assert (at_bound._nodes.capacity, at_bound._nodes.limit) == (64, 64)
+    with_host = BlockTrie(CacheConfig(block_size=B, num_blocks=20, num_host_blocks=10))
+    assert (with_host._nodes.capacity, with_host._nodes.limit) == (38, 38)
+    past = BlockTrie(CacheConfig(block_size=B, num_blocks=57))
+    assert (past._nodes.capacity, past._nodes.limit) == (8, 65)
+    tokens = [t for i in range(20) for t in (i, i)]  # 20 distinct full blocks
+    serve(past, [*tokens, 99])
+    assert past.num_cached_blocks == 20 and past._nodes.capacity >= 21
+    past.check()
+
+
+def test_columns_a_configuration_never_varies_cost_no_memory_per_node() -> None:
+    """Without events no node has a block hash; without a host tier every node is on
+    the device with no host block: those columns are `Constant`s. With events, the
+    hashes are 64-bit (`xxh3`: an `array("Q")`) or arbitrary ints (`vllm`: a list)."""
+    plain = BlockTrie(CacheConfig(block_size=B, num_blocks=4))._nodes
+    assert isinstance(plain.block_hash, Constant)
+    assert isinstance(plain.host, Constant) and isinstance(plain.residency, Constant)
+    xxh3 = BlockTrie(CacheConfig(block_size=B, num_blocks=4, enable_events=True))._nodes
+    assert isinstance(xxh3.block_hash, array) and xxh3.block_hash.typecode == "Q"
+    vllm = BlockTrie(
+        CacheConfig(block_size=B, num_blocks=4, enable_events=True, block_hash="vllm")
+    )._nodes
+    assert isinstance(vllm.block_hash, list)
+    hosted = BlockTrie(CacheConfig(block_size=B, num_blocks=4, num_host_blocks=4))._nodes
+    assert isinstance(hosted.host, array) and isinstance(hosted.residency, list)
+
+
+def test_a_new_tries_clock_reads_zero_and_its_first_commit_ticks_it_to_one() -> None:
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=4))
+    assert trie.clock == 0
+    seq = trie.match([1, 1, 2])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 3)
+    assert trie.clock == 1
+    trie.release(seq)
+    assert trie.clock == 2
+
+
+def test_checkpoint_pools_hold_the_state_dtype_and_host_pools_stay_on_the_cpu() -> None:
+    """Both checkpoint pools (device and host) hold `state_dtype`; the host KV pool
+    and the host checkpoint pool are on the CPU even when torch's default device is
+    another (here `meta`), since they are made with the CPU named."""
+    config = CacheConfig(
+        block_size=B,
+        num_blocks=4,
+        kv_block_shape=(B,),
+        num_checkpoint_slots=2,
+        num_host_blocks=4,
+        num_host_checkpoint_slots=2,
+        state_shapes={"s": (2,)},
+        state_dtype=torch.float16,
+    )
+    with torch.device("meta"):
+        trie = BlockTrie(config)
+    assert trie.host_cache is not None and trie.host_cache.device.type == "cpu"
+    hosted = trie.host_checkpoint_states["s"]
+    assert hosted.device.type == "cpu" and hosted.dtype == torch.float16
+    assert trie.checkpoint_states["s"].dtype == torch.float16
+
+
+def test_match_and_allocate_refusals_say_exactly_what_was_wrong() -> None:
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=4))
+    cases: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (lambda: trie.match([]), InvalidArgument, "match: tokens must hold at least one token"),
+        (lambda: trie.match([1], namespace=3), InvalidType, "namespace must be a str, got int"),  # type: ignore[arg-type]
+    ]
+    seq = trie.match([1, 1, 2])
+    cases.append(
+        (lambda: trie.allocate(seq, 2.5), InvalidType, "num_tokens must be an int, got float")  # type: ignore[arg-type]
+    )
+    before = trie.snapshot()
+    for call, error, message in cases:
+        with pytest.raises(error, match=f"^{re.escape(message)}$"):
+            call()
+    assert trie.snapshot() == before
+    trie.release(seq)
+    trie.check()
+
+
+def test_a_request_with_an_extra_identity_never_matches_plain_blocks() -> None:
+    """A trie holding only plain blocks (no key with an extra identity yet): a request
+    whose blocks carry one finds no hit on the same tokens, then caches its own."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    serve(trie, [1, 1, 2, 2, 3])
+    assert serve(trie, [1, 1, 2, 2, 3], extra=["img", None]) == 0
+    assert trie.num_cached_blocks == 4
+    assert serve(trie, [1, 1, 2, 2, 3], extra=["img", None]) == 4
+    trie.check()
+
+
+def test_a_request_whose_ids_need_64_bits_never_matches_32_bit_blocks() -> None:
+    """Token ids are stored by value: a request packed as uint64 (one id needs 64 bits)
+    must not match blocks cached as uint32 whose bytes happen to spell its ids, as the
+    cached chain [5, 7] [3, 0] does for [5 + 7 * 2**32, 3] (the first id's low and high
+    halves are 5 and 7)."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    serve(trie, [5, 7, 3, 0, 9])
+    wide = [5 + 7 * 2**32, 3, 4, 4, 9]
+    assert hit(trie, wide) == 0
+    assert serve(trie, wide) == 0
+    assert trie.num_cached_blocks == 4
+    assert hit(trie, wide) == 4 and hit(trie, [5, 7, 3, 0, 9]) == 4
+    trie.check()
+
+
+def test_nodes_are_numbered_one_up_in_the_order_commits_attach_them() -> None:
+    """[R43]: node ids (serials) count the nodes made, from 1, however many commits
+    of one request attach them."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    seq = trie.match([1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7])
+    trie.allocate(seq, 13)
+    for committed in (4, 8, 12):
+        trie.commit(seq, committed)
+    trie.release(seq)
+    serve(trie, [8, 8, 9])
+    assert sorted(trie.snapshot()["nodes"]) == [-1, 1, 2, 3, 4, 5, 6, 7]
     trie.check()

@@ -498,3 +498,16 @@ def test_a_host_copy_is_announced_with_the_device_checkpoints_identity() -> None
     same = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "namespace")
     assert [getattr(host, f) for f in same] == [getattr(device, f) for f in same]
     trie.check()
+
+
+def test_the_host_checkpoint_pool_takes_at_its_own_fault_point() -> None:
+    """A save takes its device slot at `slots.take` and its write-through store takes
+    a host slot at `host_slots.take` (so a fault can be aimed at either pool)."""
+    trie, _ = ssm_trie()
+    trie.faults.reset()
+    checkpointed(trie, [*PROMPT, 6], 4, 1.0)
+    assert trie.faults.points.count("slots.take") == 1
+    assert trie.faults.points.count("host_slots.take") == 1
+    assert trie.faults.points.index("slots.take") < trie.faults.points.index("host_slots.take")
+    assert trie.num_host_checkpoints == 1
+    trie.check()
