@@ -371,7 +371,7 @@ def _ssm_prefill(trie: BlockTrie, tokens: list[int], extra: object = None) -> Se
     return seq
 
 
-def test_counts_of_the_wrong_type_or_sign_are_refused_naming_the_argument() -> None:
+def test_malformed_arguments_are_refused_saying_exactly_what_was_wrong() -> None:
     trie, _ = ssm_trie()
     seq = _ssm_prefill(trie, SSM_PROMPT)
     before = trie.snapshot()
@@ -387,6 +387,9 @@ def test_counts_of_the_wrong_type_or_sign_are_refused_naming_the_argument() -> N
             "evict_checkpoints: n must be >= 0, got -1",
         ),
         (lambda: trie.evict(-2), InvalidArgument, "evict: num_blocks must be >= 0, got -2"),
+        (lambda: trie.match([]), InvalidArgument, "match: tokens must hold at least one token"),
+        (lambda: trie.match([1], namespace=3), InvalidType, "namespace must be a str, got int"),  # type: ignore[arg-type]
+        (lambda: trie.allocate(seq, 2.5), InvalidType, "num_tokens must be an int, got float"),  # type: ignore[arg-type]
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=f"^{re.escape(message)}$"):
@@ -1452,25 +1455,6 @@ def test_checkpoint_pools_hold_the_state_dtype_and_host_pools_stay_on_the_cpu() 
     hosted = trie.host_checkpoint_states["s"]
     assert hosted.device.type == "cpu" and hosted.dtype == torch.float16
     assert trie.checkpoint_states["s"].dtype == torch.float16
-
-
-def test_match_and_allocate_refusals_say_exactly_what_was_wrong() -> None:
-    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=4))
-    cases: list[tuple[Callable[[], object], type[Exception], str]] = [
-        (lambda: trie.match([]), InvalidArgument, "match: tokens must hold at least one token"),
-        (lambda: trie.match([1], namespace=3), InvalidType, "namespace must be a str, got int"),  # type: ignore[arg-type]
-    ]
-    seq = trie.match([1, 1, 2])
-    cases.append(
-        (lambda: trie.allocate(seq, 2.5), InvalidType, "num_tokens must be an int, got float")  # type: ignore[arg-type]
-    )
-    before = trie.snapshot()
-    for call, error, message in cases:
-        with pytest.raises(error, match=f"^{re.escape(message)}$"):
-            call()
-    assert trie.snapshot() == before
-    trie.release(seq)
-    trie.check()
 
 
 def test_a_request_with_an_extra_identity_never_matches_plain_blocks() -> None:
