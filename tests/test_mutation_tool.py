@@ -565,3 +565,49 @@ def test_record_refuses_a_file_with_stale_equivalents(
     assert kept.equivalents == {"cache.lru.l2": _pin("cache.lru.l2")}
     with pytest.raises(SystemExit):
         mutation.main(["--pin-equivalents"])  # which files: --paths
+
+
+def test_a_pinned_entry_whose_name_moved_is_shown_where_its_diff_went(tmp_path: Path) -> None:
+    """An edit renumbers a function's mutants: for a pinned entry whose name now gives
+    another diff, or none, the mutants of the same function that give the pinned
+    diff now are named; other functions' mutants are not looked at."""
+    old = "cache.a.x_f__mutmut_1"
+    listing = tmp_path / "equivalent_mutants.txt"
+    listing.write_text(
+        f"# A.f: why.\n{old}  # diff {_pin('cache.a.x_f__mutmut_3')}\n"
+        f"cache.a.x_f__mutmut_9  # diff {_pin('cache.a.x_f__mutmut_4')}\n"
+        f"cache.a.x_f__mutmut_5  # diff {_pin('cache.a.x_g__mutmut_1')}\n"
+    )
+    names = [
+        "cache.a.x_f__mutmut_1",
+        "cache.a.x_f__mutmut_3",
+        "cache.a.x_f__mutmut_4",
+        "cache.a.x_f__mutmut_5",
+        "cache.a.x_f__mutmut_30",
+        "cache.a.x_g__mutmut_1",  # the same diff digest, but another function
+    ]
+    assert mutation.pinned_diff_now_at(old, _pin("cache.a.x_f__mutmut_3"), names, _diff_of) == [
+        "cache.a.x_f__mutmut_3"
+    ]
+    lines: list[str] = []
+    mutation.show_equivalents(["cache/a.py"], _diff_of, lines.append, listing, names)
+    status = [line for line in lines if line.startswith("  cache.")]
+    assert status[0].endswith("; the pinned diff is now cache.a.x_f__mutmut_3]")
+    assert status[1].startswith("  cache.a.x_f__mutmut_9  [no such mutant")
+    assert status[1].endswith("; the pinned diff is now cache.a.x_f__mutmut_4]")
+    assert status[2].endswith("; no mutant of its function has the pinned diff now]")
+    unnamed: list[str] = []  # without the run's names, nothing is looked up
+    mutation.show_equivalents(["cache/a.py"], _diff_of, unnamed.append, listing)
+    assert "pinned diff" not in "\n".join(unnamed)
+
+
+def test_mutant_names_are_read_from_a_runs_meta_files(tmp_path: Path) -> None:
+    meta = tmp_path / "mutants" / "cache" / "a.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(
+        json.dumps({"exit_code_by_key": {"cache.a.x_f__mutmut_2": 1, "cache.a.x_f__mutmut_1": 0}})
+    )
+    assert mutation.mutant_names(["cache/a.py", "cache/b.py"], tmp_path) == [
+        "cache.a.x_f__mutmut_1",
+        "cache.a.x_f__mutmut_2",
+    ]

@@ -30,7 +30,8 @@ edit to a function renumbers its mutants: an entry may then name another
 mutant, silently left out of the score. So each entry is *pinned* to the diff
 it was accepted for (a trailing ``# diff <12 hex digits>``, `diff_digest`):
 ``--show-equivalents`` prints each entry's reason, its diff now and whether
-that still matches its pin; ``--pin-equivalents --paths FILE`` pins a file's
+that still matches its pin (and, where it does not, which mutants of the same
+function have the pinned diff now); ``--pin-equivalents --paths FILE`` pins a file's
 entries to their diffs now, once they have been read; ``--record`` refuses to
 record a file whose entries are unpinned, gone or changed; and a record keeps
 the file's entries with their pins, so that ``--recorded`` counts the file as
@@ -434,17 +435,50 @@ def listed_for(file: str, listing: Path = EQUIVALENT) -> dict[str, str | None]:
     return {n: p for n, p in equivalent_pins(listing).items() if n.startswith(module)}
 
 
+def mutant_names(paths: Sequence[str], root: Path = ROOT) -> list[str]:
+    """Every mutant name a run left in ``mutants/<path>.meta`` for `paths`, sorted."""
+    names: list[str] = []
+    for path in paths:
+        meta = root / "mutants" / f"{path}.meta"
+        if meta.exists():
+            names.extend(json.loads(meta.read_text()).get("exit_code_by_key", {}))
+    return sorted(names)
+
+
+def _function_of(name: str) -> str:
+    """A mutant name without its number (``m.x_f__mutmut_3`` -> ``m.x_f__mutmut_``)."""
+    return name.rstrip("0123456789")
+
+
+def pinned_diff_now_at(
+    name: str, pin: str, names: Sequence[str], diff_of: Callable[[str], str]
+) -> list[str]:
+    """The mutants of `name`'s function (among `names`) whose diff now has the digest
+    `pin`: where a renumbered entry's mutant went, so it can be renamed."""
+    function = _function_of(name)
+    return [
+        other
+        for other in names
+        if other != name
+        and _function_of(other) == function
+        and _current_digest(other, diff_of) == pin
+    ]
+
+
 def show_equivalents(
     paths: Sequence[str],
     diff_of: Callable[[str], str],
     out: Callable[[str], object] = print,
     listing: Path = EQUIVALENT,
+    names: Sequence[str] = (),
 ) -> int:
     """Print each accepted equivalent of `paths` under its reason, with the diff its
     name gives now (`diff_of`, mutmut's; needs `mutants/` from a run): an entry
     names a mutant by function and number, and an edit to the function renumbers
     its mutants, so read the diffs against the reasons after any such edit.
-    Returns how many entries were shown."""
+    For a pinned entry whose name now gives another diff (or none), the mutants of
+    its function among `names` (`mutant_names`) whose diff is the pinned one are
+    named: where the accepted mutant went. Returns how many entries were shown."""
     modules = _modules(paths)
     pins = equivalent_pins(listing)
     shown = 0
@@ -471,6 +505,13 @@ def show_equivalents(
                 if pin == now
                 else f"CHANGED: pinned to diff {pin}, diff now {now}"
             )
+        pin = pins.get(name)
+        if pin is not None and not status.startswith("pinned"):
+            moved = pinned_diff_now_at(name, pin, names, diff_of)
+            if moved:
+                status += f"; the pinned diff is now {', '.join(moved)}"
+            elif names:
+                status += "; no mutant of its function has the pinned diff now"
         out(f"  {name}  [{status}]")
         for change in diff.splitlines():
             if change[:1] in "+-" and not change.startswith(("---", "+++")):
@@ -603,7 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pinned = pin_equivalents(args.paths, _mutmut_diff, EQUIVALENT)
             print(f"pinned {len(pinned)} accepted equivalent(s) in {EQUIVALENT.name}")
         else:
-            show_equivalents(args.paths or core_paths(), _mutmut_diff, listing=EQUIVALENT)
+            shown = args.paths or core_paths()
+            show_equivalents(shown, _mutmut_diff, listing=EQUIVALENT, names=mutant_names(shown))
         return 0
     if args.rekey:
         rekeyed = rekey_record(ROOT, RECORD, EQUIVALENT)
