@@ -435,14 +435,19 @@ def listed_for(file: str, listing: Path = EQUIVALENT) -> dict[str, str | None]:
     return {n: p for n, p in equivalent_pins(listing).items() if n.startswith(module)}
 
 
+def _exit_codes(path: str, root: Path = ROOT) -> dict[str, int | None]:
+    """mutmut's exit code of each mutant of `path` (``mutants/<path>.meta``; None for
+    one not run); empty when no run left the file."""
+    meta = root / "mutants" / f"{path}.meta"
+    if not meta.exists():
+        return {}
+    codes: dict[str, int | None] = json.loads(meta.read_text()).get("exit_code_by_key", {})
+    return codes
+
+
 def mutant_names(paths: Sequence[str], root: Path = ROOT) -> list[str]:
     """Every mutant name a run left in ``mutants/<path>.meta`` for `paths`, sorted."""
-    names: list[str] = []
-    for path in paths:
-        meta = root / "mutants" / f"{path}.meta"
-        if meta.exists():
-            names.extend(json.loads(meta.read_text()).get("exit_code_by_key", {}))
-    return sorted(names)
+    return sorted(name for path in paths for name in _exit_codes(path, root))
 
 
 def _function_of(name: str) -> str:
@@ -491,13 +496,15 @@ def show_equivalents(
             for text in reason:
                 out(text)
             last = reason
+        pin = pins.get(name)
+        now: str | None = None
         try:
             diff = diff_of(name)
         except Exception as exc:  # a name mutmut no longer has: stale for sure
             diff = f"-?\n+? no such mutant now ({type(exc).__name__}: {exc})"
             status = "no such mutant"
         else:
-            now, pin = diff_digest(diff), pins.get(name)
+            now = diff_digest(diff)
             status = (
                 f"not pinned; diff {now}"
                 if pin is None
@@ -505,8 +512,7 @@ def show_equivalents(
                 if pin == now
                 else f"CHANGED: pinned to diff {pin}, diff now {now}"
             )
-        pin = pins.get(name)
-        if pin is not None and not status.startswith("pinned"):
+        if pin is not None and pin != now:
             moved = pinned_diff_now_at(name, pin, names, diff_of)
             if moved:
                 status += f"; the pinned diff is now {', '.join(moved)}"
@@ -552,11 +558,7 @@ def read_scores(
     equivalent = load_equivalent(listing)
     scores = []
     for path in paths:
-        meta = root / "mutants" / f"{path}.meta"
-        codes: dict[str, int | None] = {}
-        if meta.exists():
-            codes = json.loads(meta.read_text()).get("exit_code_by_key", {})
-        scores.append(score_file(path, codes, equivalent))
+        scores.append(score_file(path, _exit_codes(path, root), equivalent))
     return scores
 
 
