@@ -1078,6 +1078,59 @@ def test_a_child_that_never_reports_times_out_and_is_terminated(
     assert _open_fds() == fds
 
 
+def test_ctrl_c_before_the_childs_finalizer_is_registered_still_reaps_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The one window where the child runs but no finalizer owns it: the constructor
+    reaps it itself (here a `KeyboardInterrupt` raised as the finalizer is made)."""
+    import weakref
+
+    silent = tmp_path / "silent-child"
+    silent.write_text("#!/bin/sh\nexec sleep 60\n")
+    silent.chmod(0o755)
+    fds = _open_fds()
+    children = _record_children(monkeypatch)
+    monkeypatch.setattr(sys, "executable", str(silent))
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(weakref, "finalize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ProcessEventPublisher(LOOP, start_timeout=30.0)
+    assert len(children) == 1 and children[0].returncode == -signal.SIGTERM
+    assert _open_fds() == fds
+
+
+def test_reports_are_read_whole_however_the_pipe_splits_them() -> None:
+    """`_reports` reads until the pipe is empty, joins what it read, returns each
+    complete line and keeps a partial one for the next call: here more than one
+    read's worth (64 KiB), a line straddling each read."""
+    limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    if limit < 1 << 20:
+        pytest.skip(f"pipes are limited to {limit} bytes here")
+    read_end, write_end = os.pipe()
+    try:
+        fcntl.fcntl(read_end, fcntl.F_SETPIPE_SZ, 1 << 20)  # type: ignore[attr-defined]
+        os.set_blocking(read_end, False)
+        reader = ProcessEventPublisher.__new__(ProcessEventPublisher)
+        reader._status = read_end
+        reader._status_tail = b""
+        assert reader._reports() == []  # nothing written yet
+        sent = [{"seq": i, "pad": "x" * (i % 97)} for i in range(3000)]
+        data = b"".join(json.dumps(report).encode() + b"\n" for report in sent)
+        assert len(data) > 3 << 16
+        last = json.dumps({"seq": 3000}).encode()
+        os.write(write_end, data + last[:5])  # the last report half-written
+        assert reader._reports() == sent
+        os.write(write_end, last[5:] + b"\n")
+        assert reader._reports() == [{"seq": 3000}]
+        assert reader._reports() == []
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_a_child_that_does_not_stop_on_close_is_logged_then_killed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
