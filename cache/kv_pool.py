@@ -17,7 +17,9 @@ class KVBlockPool:
     the free list exactly once. `take` hands out blocks with count 1;
     `incref`/`decref` move counts; a decref to 0 returns the block to the free
     list. Driving a count below zero, or referencing a free block, raises
-    `CacheError` and changes nothing.
+    `CacheError` and changes nothing; so does `NO_BLOCK` (-1), which reads as a
+    free block. Other ids outside `0 .. num_blocks - 1` are the caller's bug
+    (the trie only passes ids it was handed).
 
     The same class is the host tier's pool (`name="host tier"`, on the CPU, in
     page-locked memory when the device is CUDA so copies can be asynchronous).
@@ -48,8 +50,11 @@ class KVBlockPool:
         )
         self._fault_point = "kv.take" if name == "KV" else "host.take"
         # Counts are small ints (shared objects): a list, read and written on every
-        # hot path, costs 8 bytes a block and is faster than an `array`.
-        self.refs: list[int] = [0] * num_blocks
+        # hot path, costs 8 bytes a block and is faster than an `array`. One entry
+        # more than there are blocks: a guard that stays 0, which is what `refs[-1]`
+        # reads, so `NO_BLOCK` (-1) given by mistake is refused as a free block
+        # instead of counting on the last block (at no cost to the hot paths).
+        self.refs: list[int] = [0] * (num_blocks + 1)
         # A stack: the lowest ids are handed out first on a fresh pool. Machine ints
         # (4 bytes a block, no `int` object per free block).
         self._free = array("i", range(num_blocks - 1, -1, -1))
@@ -59,6 +64,10 @@ class KVBlockPool:
     def num_free(self) -> int:
         """Blocks in the free list."""
         return len(self._free)
+
+    def counts(self) -> list[int]:
+        """Each block's reference count, by block id (a copy, without the guard)."""
+        return self.refs[: self.capacity]
 
     def free_ids(self) -> list[int]:
         """The free list (a copy), next to be taken last."""

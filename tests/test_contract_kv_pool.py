@@ -11,6 +11,7 @@ import torch
 
 from cache.faults import Faults
 from cache.kv_pool import KVBlockPool
+from cache.node import NO_BLOCK
 from spec.errors import CacheError, OutOfBlocks
 
 
@@ -22,15 +23,15 @@ def test_a_failed_decref_all_takes_back_only_the_blocks_it_freed() -> None:
     pool = _pool(4)
     a, b, c = pool.take(3)
     pool.decref(c)  # c is free
-    before_refs, before_free = list(pool.refs), pool.free_ids()
+    before_refs, before_free = pool.counts(), pool.free_ids()
     with pytest.raises(CacheError, match=rf"^KV pool: block {c} is already free"):
         pool.decref_all([a, c])  # a reaches 0 (freed) before the failure
-    assert list(pool.refs) == before_refs and pool.free_ids() == before_free
+    assert pool.counts() == before_refs and pool.free_ids() == before_free
     pool.incref(b)  # b: 2
-    before_refs, before_free = list(pool.refs), pool.free_ids()
+    before_refs, before_free = pool.counts(), pool.free_ids()
     with pytest.raises(CacheError, match=rf"^KV pool: block {c} is already free"):
         pool.decref_all([b, c])  # b drops to 1 (still used) before the failure
-    assert list(pool.refs) == before_refs and pool.free_ids() == before_free
+    assert pool.counts() == before_refs and pool.free_ids() == before_free
 
 
 def test_a_one_block_pool_has_storage_for_its_block() -> None:
@@ -54,7 +55,7 @@ def test_a_zero_block_pool_has_no_storage_and_nothing_to_take() -> None:
     gives none, taking one is `OutOfBlocks` naming the counts."""
     pool = KVBlockPool(0, (3,), torch.float32, torch.device("cpu"), Faults())
     assert pool.tensor is None and pool.view(0) is None
-    assert pool.capacity == 0 and pool.num_free == 0 and list(pool.refs) == []
+    assert pool.capacity == 0 and pool.num_free == 0 and pool.counts() == []
     assert pool.take(0) == []
     with pytest.raises(OutOfBlocks) as raised:
         pool.take(1)
@@ -69,7 +70,7 @@ def test_taking_a_negative_count_is_refused_before_anything_happens() -> None:
     with pytest.raises(ValueError) as raised:
         pool.take(-1)
     assert str(raised.value) == "KV pool: cannot take -1 blocks"
-    assert pool.num_free == 3 and list(pool.refs) == [0, 0, 0]
+    assert pool.num_free == 3 and pool.counts() == [0, 0, 0]
     assert faults.count == 0 and faults.points == []
     assert pool.take(1) == [0]
 
@@ -78,7 +79,7 @@ def test_taking_every_free_block_at_once_succeeds() -> None:
     """`take(n)` with exactly `n` blocks free hands them all out, lowest id first."""
     pool = _pool(3)
     assert pool.take(3) == [0, 1, 2]
-    assert pool.num_free == 0 and list(pool.refs) == [1, 1, 1]
+    assert pool.num_free == 0 and pool.counts() == [1, 1, 1]
 
 
 def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
@@ -100,4 +101,32 @@ def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
         pool.incref_all([b, a])
     with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is already free"):
         pool.decref_all([b, a])
-    assert list(pool.refs) == [0, 1] and pool.free_ids() == [a]
+    assert pool.counts() == [0, 1] and pool.free_ids() == [a]
+
+
+@pytest.mark.parametrize("name", ["KV", "host tier"])
+def test_no_block_is_refused_as_free_and_never_counts_on_the_last_block(name: str) -> None:
+    """`NO_BLOCK` (-1, a node's "no block") handed to a pool by mistake reads as a
+    free block (the pool's guard entry), so every count operation refuses it with
+    `CacheError` and changes nothing, while the last block is in use."""
+    pool = KVBlockPool(3, None, torch.float32, torch.device("cpu"), Faults(), name=name)
+    first, _, last = pool.take(3)
+    pool.incref(last)  # 2: a decref(-1) reaching it would go unnoticed
+    before = pool.counts(), pool.free_ids()
+    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is already free"):
+        pool.decref(NO_BLOCK)
+    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is free; cannot take"):
+        pool.incref(NO_BLOCK)
+    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is already free"):
+        pool.decref_all([first, NO_BLOCK])
+    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is free; cannot take"):
+        pool.incref_all([first, NO_BLOCK])
+    assert (pool.counts(), pool.free_ids()) == before == ([1, 1, 2], [])
+    assert pool.refs[NO_BLOCK] == 0 and len(pool.refs) == pool.capacity + 1
+
+
+def test_counts_is_a_copy_of_each_blocks_count() -> None:
+    pool = _pool(2)
+    counts = pool.counts()
+    pool.take(1)
+    assert counts == [0, 0] and pool.counts() == [1, 0]
