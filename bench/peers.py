@@ -201,6 +201,34 @@ def clock_overhead_ns(clock: Callable[[], int]) -> float:
     return best
 
 
+def read_costs_ns() -> dict[str, float]:
+    """What one read of each kind the two layouts make costs on this host (ns, best of 5
+    `timeit` runs, a constant index): an `array("i")` item holding an id above the small
+    ints (a new `int` per read), a list item and a slotted attribute. The column core
+    reads `array` items where the dict trie reads slots, so the vs-dict ratios move
+    with `array / slot` from host to host (2-3x on some, about 6x on others)."""
+    import timeit
+
+    setup = (
+        "from array import array\n"
+        "column = array('i', range(100_000))\n"
+        "items = list(range(100_000))\n"
+        "class Node:\n"
+        "    __slots__ = ('parent',)\n"
+        "node = Node()\n"
+        "node.parent = 54_321\n"
+    )
+    number = 200_000
+    costs = {}
+    for name, stmt in (
+        ("array", "column[54_321]"),
+        ("list", "items[54_321]"),
+        ("slot", "node.parent"),
+    ):
+        costs[name] = min(timeit.repeat(stmt, setup, number=number, repeat=5)) / number * 1e9
+    return costs
+
+
 class _EventDrain:
     """A BlockTrie with events on whose `poll` also drains the events, as an engine
     does once per step (the planner's replay polls once per request; with `every`
@@ -444,6 +472,13 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
         f"Mooncake hash id; thread CPU time per op (clock read {overhead:.0f} ns, subtracted); "
         f"best of {args.repeats}"
     )
+    reads = read_costs_ns()
+    print_(
+        f"  this host's reads: array item {reads['array']:.1f} ns, list item "
+        f"{reads['list']:.1f} ns, slot {reads['slot']:.1f} ns (array / slot "
+        f"{reads['array'] / reads['slot']:.1f}x: the column layout's reads against the "
+        "dict trie's; the vs-dict ratios move with it)"
+    )
     vllm, vllm_why = find_vllm_python(getattr(args, "vllm_python", None))
     print_(f"  vLLM peer: {vllm_why if vllm else 'skipped (' + vllm_why + ')'}")
     table = Table(title="ns of cache code per prompt block (events off)")
@@ -578,6 +613,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
         "events": events_row,
         "memory": memory,
         "clock_ns": overhead,
+        "read_ns": reads,
         "vllm": vllm_why if vllm else None,
     }
 

@@ -172,3 +172,26 @@ def test_the_section_reports_every_row_it_has_a_trace_for_and_the_paired_events_
     assert "shared-prefix trace, 100k (no eviction): skipped" in text
     assert "events on vs off, conversation, 60k" in text and "median of 2 runs" in text
     assert "Drained once per 8 requests (an engine step of 8)" in text
+    reads = report["read_ns"]
+    assert set(reads) == {"array", "list", "slot"} and all(v > 0 for v in reads.values())
+    assert f"array item {reads['array']:.1f} ns" in text
+
+
+def test_read_costs_time_each_statement_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each figure is its own statement's best time over its runs, per read (no speed
+    is asserted: that would be a timed test)."""
+    import timeit
+
+    from bench.peers import read_costs_ns
+
+    timed: list[str] = []
+
+    def fake_repeat(stmt: str, setup: str, *, number: int, repeat: int) -> list[float]:
+        exec(setup + "\n" + stmt, {})  # the statement runs against its setup
+        timed.append(stmt)
+        return [3.0 * number / 1e9, 2.0 * number / 1e9] + [9.0] * (repeat - 2)
+
+    monkeypatch.setattr(timeit, "repeat", fake_repeat)
+    costs = read_costs_ns()
+    assert timed == ["column[54_321]", "items[54_321]", "node.parent"]
+    assert costs == pytest.approx({"array": 2.0, "list": 2.0, "slot": 2.0})
