@@ -93,15 +93,22 @@ def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
     with pytest.raises(OutOfBlocks, match=r"^host tier pool: 1 blocks wanted, 0 free$"):
         pool.take(1)
     assert pool.decref(a) is True
-    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is already free"):
-        pool.decref(a)
-    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is free; cannot take"):
-        pool.incref(a)
-    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is free; cannot take"):
-        pool.incref_all([b, a])
-    with pytest.raises(CacheError, match=rf"^host tier pool: block {a} is already free"):
-        pool.decref_all([b, a])
+    _refused_by_every_count_operation(pool, a, b)
     assert pool.counts() == [0, 1] and pool.free_ids() == [a]
+
+
+def _refused_by_every_count_operation(pool: KVBlockPool, free: int, used: int) -> None:
+    """`decref`, `incref` and their `_all` forms (after `used`) each refuse `free`,
+    naming the pool and the block."""
+    name = pool.name
+    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is already free"):
+        pool.decref(free)
+    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is free; cannot take"):
+        pool.incref(free)
+    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is free; cannot take"):
+        pool.incref_all([used, free])
+    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is already free"):
+        pool.decref_all([used, free])
 
 
 @pytest.mark.parametrize("name", ["KV", "host tier"])
@@ -113,14 +120,7 @@ def test_no_block_is_refused_as_free_and_never_counts_on_the_last_block(name: st
     first, _, last = pool.take(3)
     pool.incref(last)  # 2: a decref(-1) reaching it would go unnoticed
     before = pool.counts(), pool.free_ids()
-    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is already free"):
-        pool.decref(NO_BLOCK)
-    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is free; cannot take"):
-        pool.incref(NO_BLOCK)
-    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is already free"):
-        pool.decref_all([first, NO_BLOCK])
-    with pytest.raises(CacheError, match=rf"^{name} pool: block -1 is free; cannot take"):
-        pool.incref_all([first, NO_BLOCK])
+    _refused_by_every_count_operation(pool, NO_BLOCK, first)
     assert (pool.counts(), pool.free_ids()) == before == ([1, 1, 2], [])
     assert pool.refs[NO_BLOCK] == 0 and len(pool.refs) == pool.capacity + 1
 

@@ -1011,6 +1011,18 @@ def _record_children(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[b
     return made
 
 
+def _silent_children(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> list[subprocess.Popen[bytes]]:
+    """From now on the publisher's "Python" is a child that never reports (it sleeps
+    60 s); returns the processes started, as `_record_children`."""
+    silent = tmp_path / "silent-child"
+    silent.write_text("#!/bin/sh\nexec sleep 60\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(silent))
+    return _record_children(monkeypatch)
+
+
 def test_a_child_that_exits_before_reporting_fails_the_constructor_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1062,12 +1074,8 @@ def test_a_child_that_cannot_be_started_fails_the_constructor_and_leaves_nothing
 def test_a_child_that_never_reports_times_out_and_is_terminated(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    silent = tmp_path / "silent-child"
-    silent.write_text("#!/bin/sh\nexec sleep 60\n")
-    silent.chmod(0o755)
     fds = _open_fds()
-    children = _record_children(monkeypatch)
-    monkeypatch.setattr(sys, "executable", str(silent))
+    children = _silent_children(monkeypatch, tmp_path)
     t0 = time.monotonic()
     with pytest.raises(
         TimeoutError, match=r"^ProcessEventPublisher: the encoder process did not start in 0.3 s$"
@@ -1085,12 +1093,8 @@ def test_ctrl_c_before_the_childs_finalizer_is_registered_still_reaps_it(
     reaps it itself (here a `KeyboardInterrupt` raised as the finalizer is made)."""
     import weakref
 
-    silent = tmp_path / "silent-child"
-    silent.write_text("#!/bin/sh\nexec sleep 60\n")
-    silent.chmod(0o755)
     fds = _open_fds()
-    children = _record_children(monkeypatch)
-    monkeypatch.setattr(sys, "executable", str(silent))
+    children = _silent_children(monkeypatch, tmp_path)
 
     def interrupted(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt
