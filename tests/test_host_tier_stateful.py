@@ -16,6 +16,7 @@ this test adds what the model cannot see: the tensors.
 from __future__ import annotations
 
 import contextlib
+from typing import TypeVar
 
 import torch
 from hypothesis import strategies as st
@@ -42,6 +43,7 @@ from spec.invariants import rollback
 from spec.lifecycle import Residency
 
 B = 2
+T = TypeVar("T")
 TOKENS = st.lists(st.integers(1, 2), min_size=1, max_size=7)  # tiny: prefixes collide
 _SETTLED = {Residency.MIRRORED.value, Residency.HOST.value, Residency.LOADING.value}
 
@@ -240,7 +242,7 @@ def test_a_finished_load_that_is_not_reaped_yet_is_checked() -> None:
     steps, from the write-back machine, with every check after each."""
     machine = HostTierWriteBackMachine()
 
-    def checked(result: object = None) -> object:
+    def checked(result: T | None = None) -> T | None:
         machine.blocks_hold_their_tokens()
         machine.invariants_hold()
         return result
@@ -255,7 +257,7 @@ def test_a_finished_load_that_is_not_reaped_yet_is_checked() -> None:
     checked(machine.complete_one_copy(pick=0))
     checked(machine.poll())  # the store reaped: [2, 2] is on the host only
     third = checked(machine.match(tokens=[2, 2, 1]))
-    assert third.host_path  # its hit is on the host: not computable yet
+    assert third is not None and third.host_path  # its hit is on the host: not computable yet
     checked(machine.prefill(seq=third))  # so the cache refuses its commit, changing nothing
     checked(machine.load(seq=third))
     machine.complete_one_copy(pick=0)  # the load finishes; nobody has polled
