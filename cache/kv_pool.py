@@ -7,6 +7,7 @@ from array import array
 import torch
 
 from cache.faults import Faults
+from cache.node import NO_BLOCK
 from spec.errors import CacheError, OutOfBlocks
 
 
@@ -18,8 +19,9 @@ class KVBlockPool:
     `incref`/`decref` move counts; a decref to 0 returns the block to the free
     list. Driving a count below zero, or referencing a free block, raises
     `CacheError` and changes nothing; so does `NO_BLOCK` (-1), which reads as a
-    free block. Other ids outside `0 .. num_blocks - 1` are the caller's bug
-    (the trie only passes ids it was handed).
+    free block (the error names it as no block). Other ids outside
+    `0 .. num_blocks - 1` are the caller's bug (the trie only passes ids it was
+    handed).
 
     The same class is the host tier's pool (`name="host tier"`, on the CPU, in
     page-locked memory when the device is CUDA so copies can be asynchronous).
@@ -93,16 +95,14 @@ class KVBlockPool:
     def incref(self, block: int) -> None:
         """Add one reference to a block that is in use."""
         if self.refs[block] <= 0:
-            raise CacheError(
-                f"{self.name} pool: block {block} is free; cannot take a reference to it"
-            )
+            raise CacheError(self._refusal(block, "is free; cannot take a reference to it"))
         self.refs[block] += 1
 
     def decref(self, block: int) -> bool:
         """Drop one reference; returns True when the block became free."""
         count = self.refs[block]
         if count <= 0:
-            raise CacheError(f"{self.name} pool: block {block} is already free (double free)")
+            raise CacheError(self._refusal(block, "is already free (double free)"))
         count -= 1
         self.refs[block] = count
         if count == 0:
@@ -117,9 +117,7 @@ class KVBlockPool:
             if refs[block] <= 0:
                 for done in blocks[:i]:
                     refs[done] -= 1
-                raise CacheError(
-                    f"{self.name} pool: block {block} is free; cannot take a reference to it"
-                )
+                raise CacheError(self._refusal(block, "is free; cannot take a reference to it"))
             refs[block] += 1
 
     def decref_all(self, blocks: list[int]) -> None:
@@ -133,10 +131,17 @@ class KVBlockPool:
                     if refs[done] == 0:
                         free.pop()  # it was the last block appended
                     refs[done] += 1
-                raise CacheError(f"{self.name} pool: block {block} is already free (double free)")
+                raise CacheError(self._refusal(block, "is already free (double free)"))
             refs[block] = count - 1
             if count == 1:
                 free.append(block)
+
+    def _refusal(self, block: int, why: str) -> str:
+        """The message refusing a count operation on `block` (a free one, or
+        `NO_BLOCK`, which names no block at all)."""
+        if block == NO_BLOCK:
+            return f"{self.name} pool: NO_BLOCK (-1) names no block; it has no count to change"
+        return f"{self.name} pool: block {block} {why}"
 
     def view(self, block: int) -> torch.Tensor | None:
         """The storage of one block (None for an ids-only pool)."""

@@ -99,15 +99,19 @@ def test_a_host_tier_pool_names_itself_and_its_fault_point() -> None:
 
 def _refused_by_every_count_operation(pool: KVBlockPool, free: int, used: int) -> None:
     """`decref`, `incref` and their `_all` forms (after `used`) each refuse `free`,
-    naming the pool and the block."""
+    naming the pool and the block (`NO_BLOCK` as no block at all)."""
     name = pool.name
-    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is already free"):
+    released = rf"^{name} pool: block {free} is already free \(double free\)$"
+    taken = rf"^{name} pool: block {free} is free; cannot take a reference to it$"
+    if free == NO_BLOCK:
+        released = taken = rf"^{name} pool: NO_BLOCK \(-1\) names no block; it has no count"
+    with pytest.raises(CacheError, match=released):
         pool.decref(free)
-    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is free; cannot take"):
+    with pytest.raises(CacheError, match=taken):
         pool.incref(free)
-    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is free; cannot take"):
+    with pytest.raises(CacheError, match=taken):
         pool.incref_all([used, free])
-    with pytest.raises(CacheError, match=rf"^{name} pool: block {free} is already free"):
+    with pytest.raises(CacheError, match=released):
         pool.decref_all([used, free])
 
 
