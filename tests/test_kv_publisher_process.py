@@ -247,12 +247,16 @@ def _subscriber(endpoint: str) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Sock
     return ctx, sub
 
 
-def test_the_pipe_to_the_child_holds_a_mebibyte_where_linux_allows_it(
-    publisher: ProcessEventPublisher,
-) -> None:
+def _skip_unless_a_pipe_can_hold_a_mebibyte() -> None:
     limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
     if limit < 1 << 20:
         pytest.skip(f"pipes are limited to {limit} bytes here")
+
+
+def test_the_pipe_to_the_child_holds_a_mebibyte_where_linux_allows_it(
+    publisher: ProcessEventPublisher,
+) -> None:
+    _skip_unless_a_pipe_can_hold_a_mebibyte()
     size = fcntl.fcntl(publisher._frames, fcntl.F_GETPIPE_SZ)  # type: ignore[attr-defined]
     assert size == 1 << 20
 
@@ -1110,9 +1114,7 @@ def test_reports_are_read_whole_however_the_pipe_splits_them() -> None:
     """`_reports` reads until the pipe is empty, joins what it read, returns each
     complete line and keeps a partial one for the next call: here more than one
     read's worth (64 KiB), a line straddling each read."""
-    limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
-    if limit < 1 << 20:
-        pytest.skip(f"pipes are limited to {limit} bytes here")
+    _skip_unless_a_pipe_can_hold_a_mebibyte()
     read_end, write_end = os.pipe()
     try:
         fcntl.fcntl(read_end, fcntl.F_SETPIPE_SZ, 1 << 20)  # type: ignore[attr-defined]
