@@ -370,6 +370,51 @@ def test_jobs_give_identical_results(capsys: pytest.CaptureFixture[str]) -> None
     assert _without_timing(one) == _without_timing(two)
 
 
+_FORK_PROBE = """
+import json, os, sys, threading
+from cache.planner.cli import main
+seen = []
+fork = os.fork
+def recording_fork():
+    tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+    seen.append({"threads": sorted(t.name for t in threading.enumerate()), "tasks": tasks})
+    return fork()
+os.fork = recording_fork
+code = main(sys.argv[2:])
+with open(sys.argv[1], "w") as out:
+    json.dump({"code": code, "forks": seen}, out)
+"""
+
+
+def test_sweep_workers_are_forked_from_a_single_thread(tmp_path: Path) -> None:
+    """`--jobs` forks its workers while the CLI has no other thread, progress bars on.
+
+    A fork copies whatever lock another thread holds at that instant into the
+    child, still locked (tqdm's monitor thread, refreshing a bar, holds
+    stderr's): the child would hang at its first write to stderr or at exit.
+    The CLI's bars start no monitor thread (`cli._Progress`).
+    """
+    pytest.importorskip("tqdm")
+    record = tmp_path / "forks.json"
+    argv = ["replay", *SMALL, "--sweep", "100,2k", "--jobs", "2", "--progress"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_PROBE, str(record), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "replaying (2 jobs)" in proc.stderr  # the bar was on while the workers forked
+    doc = json.loads(record.read_text())
+    assert doc["code"] == 0
+    assert len(doc["forks"]) == 2  # one per worker
+    for fork in doc["forks"]:
+        assert fork["threads"] == ["MainThread"]
+        assert fork["tasks"] in (1, None)  # no native thread either (None: no /proc)
+
+
 def test_ray_executor_gives_identical_results(capsys: pytest.CaptureFixture[str]) -> None:
     """A local two-CPU Ray cluster gives what one process gives.
 

@@ -72,7 +72,14 @@ class UsageError(Exception):
 
 class _Progress:
     """Phases (loading, counting, replaying) as tqdm bars on stderr; silent when off or
-    when tqdm is not installed."""
+    when tqdm is not installed.
+
+    The bars start no thread. tqdm's monitor thread (it only resets a bar's
+    dynamic `miniters` after 10 s without a refresh) would be running when
+    `run_all` forks its workers, and a fork copies the locks another thread
+    holds at that instant into the child still locked: the monitor refreshing
+    a bar holds stderr's, and the child would hang at its first write to stderr
+    or at exit. Python 3.12 and later warn of this at every such fork."""
 
     def __init__(self, enabled: bool) -> None:
         self._tqdm: Any = None
@@ -80,7 +87,8 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
-                self._tqdm = tqdm
+                # A subclass, so that no other tqdm user in the process is changed.
+                self._tqdm = type("_Bar", (tqdm,), {"monitor_interval": 0})
             except ImportError:
                 self._tqdm = None
         self._bar: Any = None

@@ -102,6 +102,11 @@ def run_all(
     label)``; more replays in `jobs` forked worker processes (``executor="process"``) or
     as Ray tasks (``executor="ray"``; the ray cluster of ``ray.init()``), calling
     ``on_done(run index)`` as each finishes.
+
+    Fork only from a process with no other thread (the `blocktrie` command keeps
+    it so): a fork copies the locks other threads hold at that instant into the
+    worker still locked, and the worker can hang on one. A caller with threads
+    of its own (an engine, a notebook's kernel) should pass ``jobs=1`` or use Ray.
     """
     if jobs < 1:
         raise ValueError("jobs must be >= 1")
