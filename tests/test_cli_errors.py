@@ -146,7 +146,8 @@ def test_broken_pipe_exits_zero_quietly() -> None:
     )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # like `| head -0`: the reader is gone before the report
-    err = proc.stderr.read().decode()
+    with proc.stderr:
+        err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert err == ""
 

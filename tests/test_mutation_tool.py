@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# The tool reads pyproject.toml with `tomllib` (Python 3.11+); the package supports 3.10.
+pytest.importorskip("tomllib", reason="tools.mutation needs Python 3.11 (tomllib)")
+
 from tools import mutation
 
 
