@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -40,18 +41,59 @@ def in_checkout(root: Path = _ROOT) -> bool:
     return (root / "pyproject.toml").is_file() and (root / "docs").is_dir()
 
 
+STATE_ID_PREFIX = "s_"
+"""Prefix of every state's Mermaid id (the box shows the state's name). Mermaid keeps
+ids of its own: a state whose id is ``root`` (its top-level document's id) is
+declared but never drawn, so no state is drawn under its bare name."""
+
+DIRECTION = "TB"
+"""Diagrams run top to bottom: laid out left to right, the residency and
+checkpoint machines came out about twice the page's width, and Mermaid scales a
+diagram down to fit, its labels with it (unreadable at a 1280 px window)."""
+
+ISOLATED_NOTE = "no transition enters or leaves it"
+"""The note drawn beside a state that no transition touches (the node's ``root``)."""
+
+_STATE_LINE = re.compile(r'^state "(?P<label>[^"]*)" as (?P<id>\S+)$')
+_EDGE_LINE = re.compile(r"^(?P<source>\S+) --> (?P<dest>\S+)(?P<label>: .*)?$")
+
+
+def _state_id(state: str) -> str:
+    return STATE_ID_PREFIX + state
+
+
 def _diagram(life: Lifecycle) -> str:
+    """`life`'s machine as transitions' Mermaid engine draws it, with each state under
+    a prefixed id, top to bottom, and a note on each state no transition touches."""
     machine = life.machine(graph=True)
     text: str = machine.get_graph().draw(None)
     # Drop the front matter (a bare title mermaid would reject) and the styling
     # lines (they only mark the machine's current state).
     text = text[text.index("stateDiagram") :]
-    lines = [
-        line.rstrip()
-        for line in text.splitlines()
-        if not line.strip().startswith(("classDef", "Class "))
-    ]
-    return "\n".join(line for line in lines if line.strip() or line == "")
+    out: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        indent = raw[: len(raw) - len(raw.lstrip())]
+        if line.startswith(("classDef", "Class ")):
+            continue
+        if line.startswith("direction "):
+            line = f"direction {DIRECTION}"
+        elif state := _STATE_LINE.match(line):
+            line = f'state "{state["label"]}" as {_state_id(state["id"])}'
+        elif edge := _EDGE_LINE.match(line):
+            ends = [e if e == "[*]" else _state_id(e) for e in (edge["source"], edge["dest"])]
+            line = f"{ends[0]} --> {ends[1]}{edge['label'] or ''}"
+        out.append(indent + line if line else "")
+    touched = {s for _, sources, dest in life.transitions for s in (*sources, dest)}
+    touched.add(life.initial)
+    for state in life.states:
+        if state not in touched:
+            out += [
+                f"  note right of {_state_id(state)}",
+                f"    {ISOLATED_NOTE}",
+                "  end note",
+            ]
+    return "\n".join(out).rstrip()
 
 
 def _table(life: Lifecycle) -> str:
