@@ -78,8 +78,8 @@ def _diagram(life: Lifecycle) -> str:
             continue
         if line.startswith("direction "):
             line = f"direction {DIRECTION}"
-        elif state := _STATE_LINE.match(line):
-            line = f'state "{state["label"]}" as {_state_id(state["id"])}'
+        elif declared := _STATE_LINE.match(line):
+            line = f'state "{declared["label"]}" as {_state_id(declared["id"])}'
         elif edge := _EDGE_LINE.match(line):
             ends = [e if e == "[*]" else _state_id(e) for e in (edge["source"], edge["dest"])]
             line = f"{ends[0]} --> {ends[1]}{edge['label'] or ''}"
