@@ -7,7 +7,7 @@ cached prefix, ties by load) and prefix with a load bound
 (``--prefix-max-load``), prints a markdown table and draws the PNG used in
 docs/events.md:
 
-    python -m bench.fleet --trace /work/shared/traces/conversation_trace.jsonl \\
+    python -m bench.fleet --trace ../shared/traces/conversation_trace.jsonl \\
         --out docs/fleet_hit_rate.png
 
 Needs the ``events`` and ``cli`` extras (msgspec, xxhash, matplotlib).
@@ -25,6 +25,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/fleet.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import default_traces_dir
 from cache.planner.fleet import FleetResult, make_router, replay_fleet
 from cache.planner.traces import load_trace
 from cache.planner.workload import count_prefix_hits
@@ -124,7 +125,12 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trace", default="/work/shared/traces/conversation_trace.jsonl")
+    p.add_argument(
+        "--trace",
+        default=str(default_traces_dir() / "conversation_trace.jsonl"),
+        help="default: conversation_trace.jsonl in $BLOCKTRIE_TRACES_DIR, else in "
+        "../shared/traces beside the checkout",
+    )
     p.add_argument("--format", default="mooncake", choices=("mooncake", "bailian", "tokens"))
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--capacity", type=int, default=20_000, help="KV blocks per replica")

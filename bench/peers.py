@@ -64,7 +64,6 @@ from cache.planner.replay import replay
 from cache.planner.traces import TRACE_BLOCK_TOKENS, load_trace
 from cache.planner.workload import Workload
 
-TRACES = Path("/work/shared/traces")
 CONVERSATION = "conversation_trace.jsonl"
 SHARED_PREFIX = "synthetic_trace.jsonl"
 MEMORY_BLOCKS = 1 << 20

@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as `python bench/run.py`: make the reposito
 
 import torch
 
-from bench import load
+from bench import default_traces_dir, load
 from bench.baseline import DictTrie
 from bench.load import DEFAULT_MAX_OTHER_CORES, DEFAULT_MAX_STEAL
 from cache.planner.replay import replay
@@ -752,8 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--traces-dir",
-        default="/work/shared/traces",
-        help="peers: folder of the Mooncake traces (rows whose file is missing are skipped)",
+        default=str(default_traces_dir()),
+        help="peers: folder of the Mooncake traces (default: $BLOCKTRIE_TRACES_DIR, else "
+        "../shared/traces beside the checkout; rows whose file is missing are skipped)",
     )
     p.add_argument("--trace", help="Mooncake or token jsonl (default: built-in synthetic workload)")
     p.add_argument(

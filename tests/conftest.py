@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from bench import default_traces_dir
+
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -43,8 +45,7 @@ settings.register_profile(
 _default = "ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
-TRACES = SHARED / "traces"
+TRACES = default_traces_dir()
 
 
 def _mutmut_durations() -> Mapping[str, float]:
@@ -160,7 +161,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
 
 @pytest.fixture
 def traces_dir() -> Path:
-    """../shared/traces, or skip the test where it is absent."""
+    """The public traces (`bench.default_traces_dir`), or skip the test where they are absent."""
     if not TRACES.is_dir():
-        pytest.skip("../shared/traces is not present")
+        pytest.skip(f"no traces folder at {TRACES} (set $BLOCKTRIE_TRACES_DIR)")
     return TRACES

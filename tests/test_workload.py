@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench import default_traces_dir
 from cache.planner.policy import CheckpointPolicy
 from cache.planner.replay import run_replay
 from cache.planner.traces import (
@@ -29,7 +30,7 @@ from cache.planner.workload import (
 FIXTURES = Path(__file__).parent / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_small.jsonl"
 TOKENS = FIXTURES / "tokens_small.jsonl"
-SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SHARED_TRACES = default_traces_dir()
 SMALL = SyntheticParams(
     users=8,
     turns=3,
