@@ -37,9 +37,6 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import msgspec
-import numpy as np
-
 from cache.block_hash import MASK64
 from cache.event_log import EventRecords, StoredRun, built_events, plain_extra_keys
 from cache.events import (
@@ -51,8 +48,13 @@ from cache.events import (
     BlockStored,
     Event,
 )
+from cache.extras import requires_extra
 from cache.keys import PackedTokens
 from cache.validation import U32
+
+with requires_extra("events", "cache.kv_events"):
+    import msgspec
+    import numpy as np
 
 __all__ = ["encode_batch", "msgpack_uint_array", "to_wire_event"]
 

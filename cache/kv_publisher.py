@@ -40,11 +40,13 @@ from collections import deque
 from collections.abc import Iterable
 from types import TracebackType
 
-import zmq
-
 from cache.event_log import EventRecords
 from cache.events import Event
+from cache.extras import requires_extra
 from cache.kv_events import encode_batch
+
+with requires_extra("events", "cache.kv_publisher"):
+    import zmq
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
 

@@ -72,11 +72,13 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO, Any
 
-import msgspec
-import zmq
-
 from cache.event_log import EventRecords, StoredRun
 from cache.events import BlockRemoved, Event
+from cache.extras import requires_extra
+
+with requires_extra("events", "cache.kv_publisher_process"):
+    import msgspec
+    import zmq
 
 __all__ = ["ProcessEventPublisher", "decode_frame", "decode_records", "encode_frame"]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +14,27 @@ import torch
 from cache import BlockTrie, CacheConfig, IllegalTransition, ManualCopies
 from cache.node import NO_NODE, Node, state_code, state_name
 from spec.snapshot import Snapshot
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_BLOCK_IMPORTS = """
+import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def python_without(blocked: Sequence[str], code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter, from the checkout's root, where the top-level
+    packages `blocked` cannot be imported (as where they are not installed)."""
+    source = f"BLOCKED = {tuple(blocked)!r}\n{_BLOCK_IMPORTS}\n{code}"
+    return subprocess.run(
+        [sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def kv_trie(num_blocks: int = 16, block_size: int = 4, **overrides: Any) -> BlockTrie:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import python_without
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_ONLY = ("rich", "tqdm", "matplotlib")
@@ -20,30 +20,16 @@ def _core_modules() -> list[str]:
     return ["cache", *(f"cache.{name}" for name in names)]
 
 
-_BLOCK = """
-import importlib.abc, sys
-class _Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, _Absent())
-"""
-
-
 def _loaded_after(imports: list[str], blocked: tuple[str, ...] = ()) -> set[str]:
     """Top-level package names in sys.modules after importing `imports` in a fresh interpreter
     where the `blocked` packages are not installed (as after ``pip install blocktrie``)."""
     code = (
-        f"BLOCKED = {blocked!r}\n"
-        + _BLOCK
-        + "import importlib, json\n"
+        "import importlib, json, sys\n"
         + f"for name in {imports!r}: importlib.import_module(name)\n"
         + "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
+    proc = python_without(blocked, code)
+    assert proc.returncode == 0, proc.stderr
     return set(json.loads(proc.stdout))
 
 

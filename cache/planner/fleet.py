@@ -49,11 +49,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from cache.block_hash import BlockHasher, to_wire
+from cache.extras import requires_extra
 from cache.planner.replay import ReplayResult, allocate_what_fits
 from cache.planner.workload import Request, Workload
+
+with requires_extra("events", "cache.planner.fleet"):
+    import msgspec
 
 __all__ = [
     "ROUTERS",
