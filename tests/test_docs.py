@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from spec import invariants
+from tests.helpers import python_without
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +51,84 @@ def test_readme_usage_example_runs() -> None:
     trie = namespace["trie"]
     trie.check()  # type: ignore[attr-defined]
     assert trie.num_cached_blocks == 6  # type: ignore[attr-defined]
+
+
+def _readme_setup_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)\n```", setup, re.S)
+
+
+def _readme_usage() -> str:
+    readme = (ROOT / "README.md").read_text()
+    usage = readme.split("## Usage", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", usage, re.S)
+    return str(code)
+
+
+def _distributions(project: str, extras: Iterable[str]) -> set[str]:
+    """The installed distributions `pip install 'project[extras]'` brings in: `project`'s
+    requirements for those extras, and theirs, transitively (canonical names)."""
+    found: set[str] = set()
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [(project, frozenset(extras))]
+    while todo:
+        name, wanted = todo.pop()
+        if (name, wanted) in seen:
+            continue
+        seen.add((name, wanted))
+        try:
+            requirements = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue  # an optional dependency that is not installed here
+        for line in requirements:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not any(
+                requirement.marker.evaluate({"extra": extra}) for extra in (*wanted, "")
+            ):
+                continue
+            dependency = canonicalize_name(requirement.name)
+            if dependency != canonicalize_name(project):  # `dev` requires `blocktrie[test]`
+                found.add(dependency)
+            todo.append((dependency, frozenset(requirement.extras)))
+    return found
+
+
+def test_readme_usage_runs_after_the_first_command_alone() -> None:
+    """A newcomer's path: the README's first command, then its Usage snippet. The
+    snippet runs in a fresh interpreter where every package that only the other
+    extras bring in cannot be imported."""
+    first = _readme_setup_commands()[0]
+    assert "blocktrie replay" in first
+    (extras,) = re.findall(r"-e '\.\[([\w,]*)\]'", first)
+    installed = _distributions("blocktrie", extras.split(","))
+    every_extra = metadata.metadata("blocktrie").get_all("Provides-Extra") or []
+    others = _distributions("blocktrie", every_extra) - installed
+    assert {"pyzmq", "msgspec", "xxhash"} <= others  # the events extra's, for one
+    modules = metadata.packages_distributions()
+    blocked = sorted(
+        module
+        for module, dists in modules.items()
+        if module.isidentifier() and all(canonicalize_name(d) in others for d in dists)
+    )
+    assert "zmq" in blocked and "msgspec" in blocked
+    code = _readme_usage() + "\ntrie.check()\nprint(trie.num_cached_blocks)\n"
+    proc = python_without(blocked, code)
+    assert proc.returncode == 0, f"the README's Usage fails after its first command:\n{proc.stderr}"
+    assert proc.stdout.split() == ["6"]
+
+
+def test_the_usage_comments_name_the_snippets_variables() -> None:
+    """A comment that names a variable (`prompt[...]`, `seq.block_ids`) names one the
+    snippet defines."""
+    code = _readme_usage()
+    defined = set(re.findall(r"^(\w+) = ", code, re.M)) | {"torch", "BlockTrie", "CacheConfig"}
+    comments = re.findall(r"#(.*)$", code, re.M)
+    # `name[` or `name.attribute`, two characters or more (not "e.g.")
+    subscripted = r"\b([A-Za-z_]\w+)(?:\[|\.[A-Za-z_]\w)"
+    named = {m for c in comments for m in re.findall(subscripted, c)}
+    assert named, "no comment names a variable"
+    assert named <= defined, f"comments name {named - defined}, which the snippet does not define"
 
 
 _RULE_DEFINED = re.compile(r"^\*\*\[R(\d+)\]\*\*", re.M)

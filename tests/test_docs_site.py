@@ -135,3 +135,26 @@ def test_readme_and_pages_do_not_send_readers_outside_the_repository() -> None:
     for path in [ROOT / "README.md", *DOCS.rglob("*.md")]:
         text = path.read_text()
         assert "DESIGN.md" not in text, f"{path.relative_to(ROOT)} points at DESIGN.md"
+        # A path of one machine (the traces' folder is found relative to the checkout).
+        assert "/work/" not in text, f"{path.relative_to(ROOT)} names a path of one machine"
+
+
+def nav_pages() -> list[str]:
+    """Every page in mkdocs.yml's `nav`, as a path relative to docs/."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = config.split("\nnav:\n", 1)[1]
+    nav = nav.split("\n\n", 1)[0]
+    return re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.md)$", nav, re.M)
+
+
+def test_the_index_lists_every_page_of_the_nav() -> None:
+    """docs/index.md's "The pages" table links every page of the site's nav (the
+    index itself aside), and the nav holds every page of docs/."""
+    pages = nav_pages()
+    assert "index.md" in pages and "host-tier.md" in pages
+    table = (DOCS / "index.md").read_text().split("## The pages", 1)[1]
+    linked = set(re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", table))
+    missing = [page for page in pages if page != "index.md" and page not in linked]
+    assert not missing, f"docs/index.md's page table leaves out {missing}"
+    on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert on_disk == set(pages), f"pages outside the nav: {on_disk - set(pages)}"
