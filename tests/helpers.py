@@ -17,23 +17,14 @@ from spec.snapshot import Snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_BLOCK_IMPORTS = """
-import importlib.abc, sys
-class _Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, _Absent())
-"""
-
 
 def python_without(blocked: Sequence[str], code: str) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter, from the checkout's root, where the top-level
-    packages `blocked` cannot be imported (as where they are not installed)."""
-    source = f"BLOCKED = {tuple(blocked)!r}\n{_BLOCK_IMPORTS}\n{code}"
+    packages `blocked` cannot be imported, as where they are not installed: ``import``
+    raises `ModuleNotFoundError` and `importlib.util.find_spec` returns None."""
+    block = f"import sys\nsys.modules.update(dict.fromkeys({tuple(blocked)!r}))\n"
     return subprocess.run(
-        [sys.executable, "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", block + code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
 
 

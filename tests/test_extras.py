@@ -53,6 +53,28 @@ def test_importing_a_module_without_its_extra_names_the_pip_command(
     assert f"no module named {missing!r}" in raised["message"]
 
 
+@pytest.mark.parametrize(
+    ("missing", "argv", "extra"),
+    [
+        ("matplotlib", ["replay", "--plot", "out.png", "--sweep", "1k,2k"], "cli"),
+        ("ray", ["replay", "--executor", "ray", "--sweep", "1k,2k"], "ray"),
+        ("msgspec", ["replay", "--replicas", "2"], "events"),
+        ("xxhash", ["replay", "--replicas", "2"], "events"),
+        ("zmq", ["replay", "--publish", "tcp://127.0.0.1:*"], "events"),
+    ],
+)
+def test_a_command_without_its_extra_names_the_pip_command(
+    missing: str, argv: list[str], extra: str
+) -> None:
+    """`blocktrie ...` refuses, before any work, with the extra to install."""
+    code = f"import sys\nfrom cache.planner.cli import main\nsys.exit(main({argv!r}))\n"
+    proc = python_without([missing], code)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("blocktrie replay: error: ")
+    assert proc.stderr.rstrip().endswith(f"pip install 'blocktrie[{extra}]'")
+    assert "Traceback" not in proc.stderr
+
+
 def test_the_core_imports_without_any_extra() -> None:
     """`cache` and a trie need torch and transitions only; the events extra's modules
     are imported when events are used."""

@@ -26,7 +26,9 @@ def _loaded_after(imports: list[str], blocked: tuple[str, ...] = ()) -> set[str]
     code = (
         "import importlib, json, sys\n"
         + f"for name in {imports!r}: importlib.import_module(name)\n"
-        + "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+        # A blocked package is in sys.modules as None.
+        + "loaded = {m.split('.')[0] for m, v in sys.modules.items() if v is not None}\n"
+        + "print(json.dumps(sorted(loaded)))\n"
     )
     proc = python_without(blocked, code)
     assert proc.returncode == 0, proc.stderr
