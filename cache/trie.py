@@ -32,7 +32,6 @@ modules above.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Hashable, Mapping
 
@@ -41,7 +40,7 @@ import torch
 from cache import inspection
 from cache.checkpoints import CheckpointStore
 from cache.config import CacheConfig
-from cache.copies import Copy, CopyEngine, DeviceCopies, ManualCopies
+from cache.copies import Copy, CopyEngine, DeviceCopies
 from cache.event_log import EventLog, EventRecords
 from cache.events import Event
 from cache.eviction import Evictor
@@ -59,6 +58,7 @@ from cache.node import (
     NodeTable,
     state_code,
 )
+from cache.offload import Offload, refuse_unloaded
 from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
@@ -69,31 +69,19 @@ from spec.errors import (
     CheckpointError,
     ConcurrentUse,
     ConfigError,
-    HostTierError,
     InvalidArgument,
     InvalidType,
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import (
-    CHECKPOINT,
-    RESIDENCY,
-    CheckpointTrigger,
-    CopyKind,
-    NodeState,
-    Residency,
-    ResidencyTrigger,
-)
+from spec.lifecycle import CHECKPOINT, CheckpointTrigger, NodeState
 from spec.snapshot import Snapshot
 
 _EVICTABLE = state_code(NodeState.EVICTABLE.value)  # as `NodeTable.state` stores it
 _CACHED = NodeState.CACHED.value
 _ROOT = NodeState.ROOT.value
-_LOADING = Residency.LOADING.value
 _ROWS_UP_FRONT = 1 << 23
 """A node table this big or smaller is made whole with the trie (see `__init__`)."""
-_LOAD_FAILED = ResidencyTrigger.LOAD_FAILED.value  # a copy undone never delivered
-_STORE_FAILED = ResidencyTrigger.STORE_FAILED.value
 
 
 class BlockTrie:
@@ -207,18 +195,16 @@ class BlockTrie:
         self._transfers = Transfers(
             engine, self._kv, self._slots, self._checkpoints, self._evictor, self.stats
         )
-        self._transfers.host = self._host
-        self._transfers.on_load_failed = self._cut_failed_loads
-        self._write_back = self._host is not None and config.host_write == "back"
-        if self._write_back:
-            self._evictor.write_back = True
-            self._evictor.queue_write_back = self._queue_write_back
-            self._evictor.wait_write_back = self._wait_write_back
         self._roots: dict[str, Node] = {}
         self._clock = 0
         self._node_serial = 0
         self._seq_serial = 0
         self._live: dict[int, Sequence] = {}
+        self._write_back = self._host is not None and config.host_write == "back"
+        self._offload = Offload(
+            self._nodes, self._kv, self._host, self._evictor, self._checkpoints, self._transfers,
+            self._events, self._live, self._roots, self._write_back,
+        )  # fmt: skip
         self._explicit: dict[int, PinReceipt] = {}
         self._gate = threading.Lock()  # held while an operation runs ([R45])
 
@@ -523,7 +509,7 @@ class BlockTrie:
                     f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
                 )
             if seq.host_path or seq.load_failed:
-                self._refuse_unloaded("allocate", seq)
+                refuse_unloaded("allocate", seq)
             need = -(-n // self._block_size) - len(seq.blocks)
             if need <= 0:
                 return
@@ -531,17 +517,6 @@ class BlockTrie:
             seq.blocks.extend(self._kv.take(need))
         finally:
             self._gate.release()
-
-    def _refuse_unloaded(self, operation: str, seq: Sequence) -> None:
-        """Raise for an operation that needs `seq`'s whole hit on the device ([R50])."""
-        if seq.load_failed:
-            raise HostTierError(
-                f"{operation}: the load of {seq!r}'s host-resident blocks failed; abort it"
-            )
-        raise HostTierError(
-            f"{operation}: {seq!r} has {len(seq.host_path)} matched blocks in the host tier; "
-            "call load(seq) first"
-        )
 
     # ------------------------------------------------------------------ load
 
@@ -562,116 +537,9 @@ class BlockTrie:
             raise self._concurrent_use("load()")
         try:
             self._check_live(seq)
-            if seq.load_failed:
-                self._refuse_unloaded(CopyKind.LOAD.value, seq)
-            host = self._host
-            nodes = seq.host_path
-            if any(c.failed for c in seq.loads):
-                raise HostTierError(f"load: a load {seq!r} waits on failed; abort it")
-            pending = [c for c in seq.loads if not c.done]
-            if host is None or not nodes:
-                if len(pending) <= 1:
-                    return pending[0] if pending else None
-                return self._launch_load(seq, [], [], pending)
-            t = self._nodes
-            own = [node for node in nodes if t.block[node] == NO_BLOCK]
-            shared = [node for node in nodes if t.block[node] != NO_BLOCK]
-            for node in shared:
-                if t.residency[node] == _LOADING and host.loading[node].failed:
-                    raise HostTierError(
-                        f"load: {host.loading[node]!r}, loading a block {seq!r} reads, "
-                        "failed; poll() and load again (it will be loaded anew)"
-                    )
-            blocks = self._blocks_for_load(shared, len(own))
-            for node, block in zip(own, blocks, strict=True):
-                self._evictor.attach_block(node, block)
-            for node in shared:
-                if t.residency[node] == _LOADING:
-                    copy = host.loading[node]
-                    if not copy.done and copy not in pending:
-                        pending.append(copy)
-            return self._launch_load(seq, own, shared, pending)
+            return self._offload.load(seq)
         finally:
             self._gate.release()
-
-    def _blocks_for_load(self, shared: list[Node], need: int) -> list[int]:
-        """Hold the device blocks of `shared` for the request, then take `need` free
-        blocks (making room as `allocate` does). Holding first is what keeps
-        room-making from evicting a block this very load will read; on failure
-        nothing is held."""
-        kv = self._kv
-        evictor = self._evictor
-        block = self._nodes.block
-        kv.incref_all([block[node] for node in shared])
-        for node in shared:
-            evictor.settle(node)  # held now: out of the eviction index
-        try:
-            evictor.make_room(need)
-            return kv.take(need)
-        except BaseException:
-            kv.decref_all([block[node] for node in shared])
-            for node in shared:
-                evictor.settle(node)
-            raise
-
-    def _launch_load(
-        self, seq: Sequence, own: list[Node], shared: list[Node], pending: list[Copy]
-    ) -> Copy | None:
-        """Queue the load of `own` (device blocks attached already) after `pending`,
-        moving `seq`'s host part onto its path; undone if queuing fails.
-
-        Returns the copy to wait on: the new one; or, with nothing of its own
-        to load, the one pending copy (shared, not repeated), an empty copy
-        ordered after several, or None."""
-        host = self._host
-        if host is None:  # `load` without a host tier waits on nothing it queues
-            raise HostTierError("load: this cache has no host tier")
-        kv = self._kv
-        t = self._nodes
-        block = t.block
-        if not own and len(pending) <= 1:
-            host.unpin(shared)  # their device blocks are the request's now
-            seq.path.extend(seq.host_path)
-            seq.blocks.extend(block[node] for node in seq.host_path)
-            seq.host_path = []
-            seq.loads = pending
-            return pending[0] if pending else None
-        waits_on = [b for c in pending for kind, b in c.resources if kind == "block"]
-        copy = self._transfers.number(host.load_moves(own, waits_on))
-        for node in own:
-            host.begin_load(node)
-            kv.incref(block[node])  # the request's reference
-            host.loading[node] = copy
-            copy.nodes.append(node)
-        self._transfers.hold(copy, [block[n] for n in own], [])
-        copy.host_blocks.extend(t.host[n] for n in own)  # the request's host references
-        host.unpin(shared)  # their device blocks are the request's now
-        for node in own:
-            self._evictor.settle(node)
-        nodes = seq.host_path
-        old_loads = seq.loads
-        seq.path.extend(nodes)
-        seq.blocks.extend(block[node] for node in nodes)
-        seq.host_path = []
-        seq.loads = [*pending, copy] if own else pending
-
-        def undo() -> None:
-            del seq.path[len(seq.path) - len(nodes) :]
-            del seq.blocks[len(seq.blocks) - len(nodes) :]
-            seq.host_path = nodes
-            seq.loads = old_loads
-            host.pin(nodes)  # the request's host references, as after match
-            for node in shared:
-                kv.decref(block[node])
-            for node in own:
-                del host.loading[node]
-                kv.decref(block[node])  # the request's (the copy's went with the copy)
-                t.residency[node] = RESIDENCY.step(_LOAD_FAILED, t.residency[node], t.named(node))
-                self._evictor.detach_block(node)
-                host.settle(node)
-
-        self._transfers.launch(copy, undo)
-        return copy
 
     # ---------------------------------------------------------------- commit
 
@@ -690,7 +558,7 @@ class BlockTrie:
             self._check_live(seq)
             n = int_arg("num_tokens", num_tokens)
             if seq.host_path or seq.load_failed:
-                self._refuse_unloaded("commit", seq)
+                refuse_unloaded("commit", seq)
             size = self._block_size
             covered = min(len(seq.token_list), len(seq.blocks) * size)
             if not seq.num_committed_tokens <= n <= covered:
@@ -709,7 +577,7 @@ class BlockTrie:
                 )
             host = self._host
             if host is not None and start < full:
-                self._check_loads_done(seq, keys, start, full)
+                self._offload.check_loads_done(seq, keys, start, full)
             self._clock += 1  # [R7]
             tick = self._clock
             if start >= full:
@@ -766,7 +634,7 @@ class BlockTrie:
                         )
                     break
                 if block_of[child] == NO_BLOCK:  # [R49]
-                    self._adopt(child, seq.blocks[i], tick)
+                    self._offload.adopt(child, seq.blocks[i], tick)
                 else:  # [R18]
                     own = seq.blocks[i]
                     cached = block_of[child]
@@ -779,125 +647,9 @@ class BlockTrie:
                 parent = child
             seq.num_committed_tokens = n
             if host is not None and stored and not self._write_back:
-                self._store(stored)
+                self._offload.store(stored)
         finally:
             self._gate.release()
-
-    def _check_loads_done(self, seq: Sequence, keys: list[Hashable], start: int, full: int) -> None:
-        """Refuse (changing nothing) a commit that would read or share a block whose
-        load has not finished ([R50]): the request's own loads, or a block another
-        request is loading that this commit would deduplicate against."""
-        for copy in seq.loads:
-            if copy.failed or not copy.done:
-                raise HostTierError(
-                    f"commit: {seq!r} reads blocks that {copy!r} is loading"
-                    + ("; it failed: abort the request" if copy.failed else "; wait for it")
-                )
-        node = seq.path[-1] if seq.path else self._roots.get(seq.namespace, NO_NODE)
-        host = self._host
-        t = self._nodes
-        for i in range(start, full):
-            if node == NO_NODE:
-                break
-            node = t.child_of(node, keys[i])
-            if node != NO_NODE and t.residency[node] == _LOADING and host is not None:
-                copy = host.loading[node]
-                if copy.failed:
-                    raise HostTierError(
-                        f"commit: block {i} of {seq!r} equals a block whose load {copy!r} "
-                        "failed; poll() and commit again (the computed block is adopted)"
-                    )
-                if not copy.done:
-                    raise HostTierError(
-                        f"commit: block {i} of {seq!r} is being loaded by {copy!r}; "
-                        "commit it once that copy is done"
-                    )
-        seq.loads = []  # all done: nothing left to wait on (not before: [R6])
-
-    def _adopt(self, node: Node, block: int, tick: int) -> None:
-        """A commit computed `node`'s block while its KV lived only on the host
-        ([R49]): the request's block becomes its device copy."""
-        host = self._host
-        if host is None:
-            raise HostTierError(
-                f"commit: {self._nodes.describe(node)} has no device block and no host tier"
-            )
-        self._kv.incref(block)  # the trie's reference; the request keeps its own
-        self._evictor.attach_block(node, block)
-        host.adopt(node)
-        self._nodes.tick[node] = tick  # [R8]
-        self._evictor.settle(node)
-        self._events.back_on_device([node])
-
-    def _queue_write_back(self, nodes: list[Node]) -> None:
-        """Write-back ([R52]): eviction chose `nodes` (given host blocks, `storing`,
-        the store's references on both blocks taken); queue their store. Each is
-        offloaded when it finishes; if queuing fails they are `device` leaves
-        again, their host blocks freed."""
-        host = self._host
-        if host is None:
-            raise HostTierError("write-back without a host tier")
-        t = self._nodes
-        copy = self._transfers.number(host.store_moves(nodes))
-        copy.blocks = [t.block[n] for n in nodes]  # references taken by the evictor
-        copy.host_blocks = [t.host[n] for n in nodes]
-        copy.nodes = list(nodes)
-        host.write_backs[copy.serial] = copy
-        for node in nodes:
-            self._evictor.settle(node)  # held by the copy: cached, out of the index
-
-        def undo() -> None:
-            del host.write_backs[copy.serial]
-            for node in nodes:
-                t.residency[node] = RESIDENCY.step(_STORE_FAILED, t.residency[node], t.named(node))
-                host.pool.decref(t.host[node])  # the node's: the block is free again
-                t.host[node] = NO_BLOCK
-                self._evictor.settle(node)
-
-        with contextlib.suppress(CacheError):  # a failed store is undone: device-only
-            self._transfers.launch(copy, undo)
-
-    def _wait_write_back(self) -> None:
-        """Make room waits for the write-back stores in flight ([R52]): with an engine
-        that can wait (`DeviceCopies`), wait for each and reap it; `ManualCopies`
-        cannot (its copies finish when the test says), so nothing happens."""
-        host = self._host
-        engine = self._transfers.engine
-        if host is None or isinstance(engine, ManualCopies):
-            return
-        for copy in list(host.write_backs.values()):
-            engine.wait(copy)
-            if copy.done:
-                engine.forget(copy)
-                self._transfers.reap(copy)
-
-    def _store(self, nodes: list[Node]) -> None:
-        """Write-through ([R47]): queue one copy of the blocks just attached to the
-        host tier, each into a host block (evicting host LRU leaves for room;
-        the blocks past the last one that finds room stay device-only)."""
-        host = self._host
-        if host is None:
-            return
-        host_blocks = host.reserve_for_stores(len(nodes))
-        if not host_blocks:
-            return
-        storing = nodes[: len(host_blocks)]
-        for node, host_block in zip(storing, host_blocks, strict=True):
-            host.begin_store(node, host_block)
-        t = self._nodes
-        copy = self._transfers.number(host.store_moves(storing))
-        # It reads each device block and writes each host block until reaped.
-        self._transfers.hold(copy, [t.block[n] for n in storing], [t.host[n] for n in storing])
-        copy.nodes = storing
-
-        def undo() -> None:
-            for node in storing:
-                t.residency[node] = RESIDENCY.step(_STORE_FAILED, t.residency[node], t.named(node))
-                host.pool.decref(t.host[node])  # the node's: the block is free again
-                t.host[node] = NO_BLOCK
-
-        with contextlib.suppress(CacheError):  # a failed store is undone: device-only
-            self._transfers.launch(copy, undo)
 
     def _attach_chain(
         self,
@@ -1026,17 +778,6 @@ class BlockTrie:
         finally:
             self._gate.release()
 
-    def _cut_failed_loads(self, nodes: list[Node]) -> None:
-        """A load failed ([R50]): every live request whose path reads one of `nodes`
-        loses its path from there and can only be released or aborted."""
-        failed = set(nodes)
-        for seq in self._live.values():
-            for i, node in enumerate(seq.path):
-                if node in failed:
-                    del seq.path[i:]
-                    seq.load_failed = True
-                    break
-
     def evict_checkpoints(self, n: int) -> int:
         """Free the device slots of up to `n` LRU unpinned checkpoints (and their frozen
         tails); nodes stay ([R24]). A checkpoint already stored in a host slot stays
@@ -1123,7 +864,7 @@ class BlockTrie:
                 )
             runtime = self._slots.check_runtime(runtime_state)
             if seq.host_path or seq.load_failed:
-                self._refuse_unloaded("save", seq)
+                refuse_unloaded("save", seq)
 
             root = self._roots.get(seq.namespace)
             anchor = seq.path[depth - 1] if depth else root
@@ -1197,30 +938,10 @@ class BlockTrie:
 
             self._transfers.launch(copy, undo)
             if not tail and self._checkpoints.host_slots is not None:
-                self._store_checkpoint(ck)
+                self._offload.store_checkpoint(ck)
             return copy
         finally:
             self._gate.release()
-
-    def _store_checkpoint(self, ck: Checkpoint) -> None:
-        """Write-through ([R53]): queue the copy of a just-saved, block-aligned
-        checkpoint into a host slot, ordered after its save copy (both touch its
-        slot), pinning it until reaped. Best effort: with no host slot to be had,
-        or a copy that fails when queued, it stays device-only."""
-        checkpoints = self._checkpoints
-        host_slot = checkpoints.reserve_host_slot()
-        if host_slot is None:
-            return
-        checkpoints.begin_store(ck, host_slot)
-        copy = self._transfers.build_checkpoint_store(ck)
-        copy.receipts.append(checkpoints.pin(ck))
-
-        def undo() -> None:
-            checkpoints.stored(ck, failed=True)
-            checkpoints.unpin(copy.receipts[0])
-
-        with contextlib.suppress(CacheError):  # a failed store is undone: device-only
-            self._transfers.launch(copy, undo)
 
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
         """Queue checkpoint -> `runtime_state` (and frozen tail -> the sequence's block)

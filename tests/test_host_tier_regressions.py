@@ -17,6 +17,7 @@ from cache import BlockTrie, CacheError, ManualCopies, OutOfBlocks, SequenceNotL
 from cache.copies import Copy
 from cache.host_tier import HostTier
 from cache.node import Node, state_name
+from cache.offload import Offload
 from cache.transfers import Transfers
 from spec.invariants import rollback
 from tests.test_host_tier import (
@@ -288,17 +289,17 @@ def unpin_twice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @contextmanager
 def load_not_shared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A second request loads a block again instead of waiting on the first load."""
-    original = BlockTrie._launch_load
+    original = Offload._launch_load
 
     def launch(
-        self: BlockTrie, seq: object, own: list[Node], shared: list[Node], pending: list[Copy]
+        self: Offload, seq: object, own: list[Node], shared: list[Node], pending: list[Copy]
     ) -> Copy | None:
         for node in shared:
             self._kv.decref(self._nodes.block[node])  # as if the block were taken over again
         return original(self, seq, own, shared, pending)  # type: ignore[arg-type]
 
     with monkeypatch.context() as patch:
-        patch.setattr(BlockTrie, "_launch_load", launch)
+        patch.setattr(Offload, "_launch_load", launch)
         yield
 
 
@@ -306,7 +307,7 @@ def load_not_shared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def room_before_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """`load` that makes room before holding what it will read (vLLM #35846)."""
 
-    def blocks_for_load(self: BlockTrie, shared: list[Node], need: int) -> list[int]:
+    def blocks_for_load(self: Offload, shared: list[Node], need: int) -> list[int]:
         self._evictor.make_room(need)
         blocks = self._kv.take(need)
         self._kv.incref_all([self._nodes.block[node] for node in shared])
@@ -315,7 +316,7 @@ def room_before_hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return blocks
 
     with monkeypatch.context() as patch:
-        patch.setattr(BlockTrie, "_blocks_for_load", blocks_for_load)
+        patch.setattr(Offload, "_blocks_for_load", blocks_for_load)
         yield
 
 
