@@ -10,8 +10,11 @@ validates its input ([R1]-[R5]), plans, takes resources, then mutates
   room;
 - `cache.checkpoints.CheckpointStore`: checkpoint lifecycle, pins, receipts;
 - `cache.transfers.Transfers`: save / restore copies until they are reaped;
+- `cache.checkpointing.Checkpointing`: what `save` and `restore` decide and
+  queue ([R25]-[R34]);
 - `cache.host_tier.HostTier`: the host-memory tier, its eviction, and where
-  each block's KV lives (store / load copies);
+  each block's KV lives; `cache.offload.Offload`: the store and load copies
+  between it and the device that operations queue ([R47]-[R54]);
 - `cache.keys`: block keys and identities; `cache.event_log`: events;
 - `cache.inspection`: `snapshot()` and `check()`.
 
@@ -23,11 +26,13 @@ that enters an operation while another is running gets `ConcurrentUse`
 before it changes anything (a lock taken without waiting: detection, not
 support; no call ever blocks on it).
 
-This module is longer than the ~400 lines the others keep to (about 530 lines
-of code, 140 of docstrings): it holds seventeen public operations, and each
-one validates its own arguments and plans before it changes anything (`save`
-alone decides rules [R25]-[R31]); the mechanics they plan over live in the
-modules above.
+This module is longer than the ~400 lines the others keep to (about 970
+lines: 680 of code, 200 of docstrings, 110 blank or comments): it holds twenty
+public operations and fifteen properties (counts, pools, the copy engine, the
+clock). Each operation takes the lock and checks its sequence; `match`,
+`allocate`, `commit`, `release` and `evict`, the hot path, plan here over the
+modules above (no call per block spent on reaching a plan elsewhere); `load`,
+`save` and `restore` hand their plans to the module that owns them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from cache import inspection
+from cache.checkpointing import Checkpointing
 from cache.checkpoints import CheckpointStore
 from cache.config import CacheConfig
 from cache.copies import Copy, CopyEngine, DeviceCopies
@@ -46,13 +52,12 @@ from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
 from cache.host_tier import HostTier
-from cache.keys import block_identity, request_keys
+from cache.keys import request_keys
 from cache.kv_pool import KVBlockPool
 from cache.node import (
     MANY,
     NO_BLOCK,
     NO_NODE,
-    NO_SLOT,
     Checkpoint,
     Node,
     NodeTable,
@@ -74,7 +79,7 @@ from spec.errors import (
     PinError,
     SequenceNotLive,
 )
-from spec.lifecycle import CHECKPOINT, CheckpointTrigger, NodeState
+from spec.lifecycle import CheckpointTrigger, NodeState
 from spec.snapshot import Snapshot
 
 _EVICTABLE = state_code(NodeState.EVICTABLE.value)  # as `NodeTable.state` stores it
@@ -204,6 +209,10 @@ class BlockTrie:
         self._offload = Offload(
             self._nodes, self._kv, self._host, self._evictor, self._checkpoints, self._transfers,
             self._events, self._live, self._roots, self._write_back,
+        )  # fmt: skip
+        self._checkpointing = Checkpointing(
+            self, self._nodes, self._kv, self._slots, self._checkpoints, self._evictor,
+            self._transfers, self._offload, self._roots, self.stats,
         )  # fmt: skip
         self._explicit: dict[int, PinReceipt] = {}
         self._gate = threading.Lock()  # held while an operation runs ([R45])
@@ -844,102 +853,7 @@ class BlockTrie:
             raise self._concurrent_use("save()")
         try:
             self._check_live(seq)
-            step = int_arg("step", step)
-            if not self._ssm:
-                raise CheckpointError("save: SSM checkpoints are disabled (num_checkpoint_slots=0)")
-            if not 1 <= step <= len(seq.token_list):
-                raise InvalidArgument(
-                    f"save: step={step} outside 1..{len(seq.token_list)} for {seq!r}"
-                )
-            size = self._block_size
-            depth, rem = divmod(step, size)
-            if depth > seq.num_committed_tokens // size:
-                raise CheckpointError(
-                    f"save: step={step} anchors at block {depth}, but {seq!r} has committed only "
-                    f"{seq.num_committed_tokens // size} blocks"
-                )
-            if rem and len(seq.blocks) <= depth:
-                raise CheckpointError(
-                    f"save: step={step} needs the partial block {depth} allocated in {seq!r}"
-                )
-            runtime = self._slots.check_runtime(runtime_state)
-            if seq.host_path or seq.load_failed:
-                refuse_unloaded("save", seq)
-
-            root = self._roots.get(seq.namespace)
-            anchor = seq.path[depth - 1] if depth else root
-            tail = tuple(seq.token_list[depth * size : step])
-            tail_extra = block_identity(seq.extra, depth) if rem else None
-            old = self._nodes.checkpoint.get(anchor) if anchor is not None else None
-            stats = self.stats
-            if old is not None:
-                same = old.step == step and old.tail == tail and old.tail_extra == tail_extra
-                if same and CHECKPOINT.can(CheckpointTrigger.PIN, old.state):
-                    stats.checkpoints_deduplicated += 1  # [R25]
-                    return None
-                if not CHECKPOINT.can(CheckpointTrigger.REPLACE, old.state):
-                    stats.checkpoints_skipped += 1  # [R26]
-                    return None
-            reuse_frozen = old is not None and old.frozen_block is not None and rem > 0  # [R27]
-            need_block = rem > 0 and not reuse_frozen
-            need_slot = old is None or old.slot == NO_SLOT  # none, or a host-only one ([R54])
-            evictor = self._evictor
-            # [R30]: feasibility first, on the unchanged state.
-            if need_slot and self._slots.num_free == 0 and not self._checkpoints.lru:
-                stats.checkpoints_skipped += 1  # [R28]
-                return None
-            if need_block and self._kv.num_free == 0 and not evictor.room_possible(1):
-                stats.checkpoints_skipped += 1  # [R29]
-                return None
-
-            if need_slot and self._slots.num_free == 0:
-                self._checkpoints.evict_lru(1)  # [R28]
-            if need_block:
-                evictor.make_room(1)  # [R29]
-            slot = self._slots.take() if need_slot or old is None else old.slot
-            frozen: int | None = old.frozen_block if reuse_frozen and old is not None else None
-            if need_block:
-                try:
-                    frozen = self._kv.take(1)[0]
-                except CacheError:
-                    if need_slot:
-                        self._slots.give(slot)
-                    raise
-
-            new_root = anchor is None
-            if anchor is None:  # created only now that nothing can fail ([R6], [R11])
-                anchor = self._root(seq.namespace)
-            if old is not None:
-                self._checkpoints.replace(old, reuse_frozen)
-            self._clock += 1  # [R31]
-            ck = self._checkpoints.reserve(
-                anchor, step, tail, tail_extra, slot, frozen, self._clock
-            )
-            seq_block = seq.blocks[depth] if rem else -1
-            copy = self._transfers.build(
-                "save", step, slot, runtime, into_checkpoint=True, frozen_block=frozen,
-                seq_block=seq_block,
-            )  # fmt: skip
-            self._checkpoints.publish(ck)
-            copy.receipts.append(self._checkpoints.pin(ck))
-            stats.checkpoints_saved += 1
-
-            def undo() -> None:
-                # Its data never arrived: take the checkpoint out again. A replaced
-                # one cannot come back: its slot was being overwritten.
-                self._checkpoints.unpin(copy.receipts[0])
-                self._checkpoints.drop(ck, CheckpointTrigger.RELEASE)
-                if new_root:
-                    self._nodes.release(self._roots.pop(seq.namespace))
-                if old is not None:  # [R38]: lost with its slot's data, so counted
-                    stats.evicted_checkpoints += 1
-                self._clock -= 1
-                stats.checkpoints_saved -= 1
-
-            self._transfers.launch(copy, undo)
-            if not tail and self._checkpoints.host_slots is not None:
-                self._offload.store_checkpoint(ck)
-            return copy
+            return self._checkpointing.save(seq, step, runtime_state)
         finally:
             self._gate.release()
 
@@ -956,54 +870,7 @@ class BlockTrie:
             raise self._concurrent_use("restore()")
         try:
             self._check_live(seq)
-            point = seq.restore
-            if point is None:
-                raise CheckpointError(f"restore: {seq!r} matched no checkpoint")
-            receipt = seq.match_receipt
-            if receipt is None:
-                raise CheckpointError(f"restore: {seq!r} was already restored")
-            ck = point.checkpoint
-            if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # matchable no more
-                raise CheckpointError(  # [R46]
-                    f"restore: {ck!r} was withdrawn (its save copy failed); abort {seq!r}"
-                )
-            runtime = self._slots.check_runtime(runtime_state, written=True)
-            depth = ck.step // self._block_size
-            if ck.frozen_block is not None and len(seq.path) > depth:
-                raise CheckpointError(  # [R32]
-                    f"restore: {seq!r} already committed block {depth}, where the frozen tail "
-                    "would be written; restore before prefill"
-                )
-            allocated = ck.frozen_block is not None and len(seq.blocks) == depth
-            if allocated:  # [R33]
-                self._evictor.make_room(1)
-                seq.blocks.extend(self._kv.take(1))
-            old_tick = ck.tick
-            self._clock += 1  # [R34]
-            ck.tick = self._clock  # [R9]; pinned, so in no index while it changes
-            seq_block = seq.blocks[depth] if ck.frozen_block is not None else -1
-            from_host = ck.slot == NO_SLOT  # [R56]: host-only, read straight from its host slot
-            copy = self._transfers.build(
-                "restore", ck.step, ck.host_slot if from_host else ck.slot, runtime,
-                into_checkpoint=False, frozen_block=ck.frozen_block, seq_block=seq_block,
-                from_host=from_host,
-            )  # fmt: skip
-            copy.receipts.append(receipt)
-            seq.match_receipt = None
-            seq.restored = True
-            self.stats.restores += 1
-
-            def undo() -> None:
-                seq.match_receipt = receipt
-                seq.restored = False
-                if allocated:
-                    self._kv.decref(seq.blocks.pop())
-                ck.tick = old_tick
-                self._clock -= 1
-                self.stats.restores -= 1
-
-            self._transfers.launch(copy, undo)
-            return copy
+            return self._checkpointing.restore(seq, runtime_state)
         finally:
             self._gate.release()
 

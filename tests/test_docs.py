@@ -210,3 +210,63 @@ def test_core_has_no_lifecycle_literals() -> None:
             ):
                 offenders.append(f"{path.name}:{node.lineno}: {node.value!r}")
     assert not offenders, "lifecycle literals in cache/:\n" + "\n".join(offenders)
+
+
+def test_every_core_module_is_in_the_ownership_map() -> None:
+    """docs/architecture.md's ownership map names every module of the core."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Ownership map", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+\.py)`", table))
+    modules = {p.name for p in (ROOT / "cache").glob("*.py")} - {"__init__.py"}
+    assert modules - named == set(), "not in the ownership map"
+    assert named - modules == set(), "in the ownership map, but no such module"
+
+
+def line_counts(path: Path) -> dict[str, int]:
+    """`path`'s lines: all, code, docstrings (every string statement) and the rest."""
+    import ast
+    import io
+    import tokenize
+
+    source = path.read_text()
+    lines = source.splitlines()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docstrings.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    comments = {
+        token.start[0]
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT and lines[token.start[0] - 1].lstrip().startswith("#")
+    }
+    blank = {i for i, line in enumerate(lines, 1) if not line.strip()}
+    rest = len(docstrings | comments | blank)
+    return {
+        "lines": len(lines),
+        "code": len(lines) - rest,
+        "docstrings": len(docstrings),
+        "blank or comments": len(comments | blank),
+    }
+
+
+def test_trie_module_states_its_true_size() -> None:
+    """cache/trie.py's docstring gives its size ("about N lines: C of code, D of
+    docstrings, E blank or comments"); each figure within 10% of the count."""
+    import cache.trie
+
+    stated = re.search(
+        r"about (\d+)\s+lines: (\d+) of code, (\d+) of docstrings, (\d+) blank or comments",
+        " ".join((cache.trie.__doc__ or "").split()),
+    )
+    assert stated, "cache/trie.py's docstring no longer states its size"
+    counted = line_counts(ROOT / "cache" / "trie.py")
+    names = ["lines", "code", "docstrings", "blank or comments"]
+    claims = dict(zip(names, stated.groups(), strict=True))
+    for what, figure in claims.items():
+        assert abs(int(figure) - counted[what]) <= counted[what] // 10, (
+            f"cache/trie.py's docstring says about {figure} {what}; it has {counted[what]}"
+        )
