@@ -68,7 +68,14 @@ from cache.sequence import PinReceipt, RestorePoint, Sequence
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
 from cache.transfers import Transfers
-from cache.validation import TokenIds, extend_tokens, extra_tuple, int_arg, token_list
+from cache.validation import (
+    TokenIds,
+    extend_tokens,
+    extra_tuple,
+    int_arg,
+    namespace_arg,
+    token_list,
+)
 from spec.errors import (
     CacheError,
     CheckpointError,
@@ -424,9 +431,8 @@ class BlockTrie:
             toks = token_list(tokens)
             if not toks:
                 raise InvalidArgument("match: tokens must hold at least one token")
-            if not isinstance(namespace, str):
-                raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
-            ext = extra_tuple(extra)
+            namespace = namespace_arg(namespace)
+            ext = extra_tuple(extra)  # [R60]: canonical now, so no user code runs below
             size = self._block_size
             keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
             root = self._roots.get(namespace)

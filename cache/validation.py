@@ -6,7 +6,6 @@ import collections.abc
 import functools
 import operator
 from array import array
-from collections.abc import Hashable
 from typing import Any, NoReturn, TypeAlias
 
 from spec.errors import InvalidArgument, InvalidType
@@ -59,9 +58,9 @@ def token_list(tokens: object, what: str = "tokens") -> array[int]:
     except OverflowError:  # an id past 2**32 (or out of range: the next pass says)
         try:
             return array(U64, tokens)
-        except (TypeError, OverflowError, ValueError, RuntimeError):
+        except Exception:  # an element's own conversion may raise anything ([R60])
             _explain_bad_tokens(tokens, what)
-    except (TypeError, ValueError, RuntimeError):
+    except Exception:
         _explain_bad_tokens(tokens, what)
 
 
@@ -167,19 +166,71 @@ def extend_tokens(stored: array[int], more: array[int]) -> array[int]:
 
 
 def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoReturn:
+    """Name the first element that is not an integer id, else the first out of range.
+
+    An element whose conversion (`operator.index`) raises anything, not only
+    `TypeError` (a 0-d uint64 tensor holding 2**63 raises torch's
+    `RuntimeError`), is not an integer token id: `InvalidType` ([R60]).
+    """
+    ids: list[int] = []
     for t in tokens:
         try:
-            operator.index(t)
+            ids.append(operator.index(t))
         except TypeError:
             raise InvalidType(f"{what} must contain only integers; found {t!r}") from None
-    for t in tokens:
-        if not 0 <= operator.index(t) < 2**64:
+        except Exception as exc:
+            raise InvalidType(
+                f"{what} must contain only integers; found {_safe_repr(t)}, whose conversion "
+                f"to int raised {type(exc).__name__}: {exc}"
+            ) from None
+    for t in ids:
+        if not 0 <= t < 2**64:
             raise InvalidArgument(f"{what} must be in [0, 2**64); found {t}")
     raise InvalidType(f"{what} must hold integer token ids (an element failed to convert)")
 
 
-def extra_tuple(extra: object) -> tuple[Hashable, ...] | None:
-    """Per-block extra identities as a tuple (None stays None); each must be hashable."""
+Identity: TypeAlias = "bool | int | str | bytes | tuple[Identity, ...] | None"
+"""An extra identity in the form the cache keeps ([R60]): exact builtin values only."""
+
+IDENTITY_DEPTH = 32
+"""How deep identity tuples may nest ([R60]): deeper is refused, before the
+recursive hashers and encoders could overflow the stack."""
+
+_IDENTITY_ATOMS = frozenset((type(None), bool, int, bytes))
+_IDENTITY_TYPES = "None, bool, int, str, bytes or a tuple of those"
+
+
+def namespace_arg(namespace: object) -> str:
+    """`namespace` if it is exactly a `str` holding valid Unicode ([R60]).
+
+    A `str` subclass is refused (`InvalidType`): its `__hash__` / `__eq__`
+    would run inside the operation, after validation. A string with a lone
+    surrogate is refused (`InvalidArgument`): events encode the namespace as
+    UTF-8, which cannot hold it.
+    """
+    if type(namespace) is not str:
+        exactly = " (exactly, not a subclass)" if isinstance(namespace, str) else ""
+        raise InvalidType(f"namespace must be a str{exactly}, got {type(namespace).__name__}")
+    if not namespace.isascii():
+        _check_unicode(namespace, "namespace")
+    return namespace
+
+
+def extra_tuple(extra: object) -> tuple[Identity, ...] | None:
+    """Per-block extra identities as a tuple the cache owns (None stays None) ([R60]).
+
+    Each identity must be exactly None, bool, int, str, bytes or a tuple of
+    those (nested at most `IDENTITY_DEPTH` deep): values whose hashing and
+    comparison are Python's own, so no user code (a custom `__hash__` or
+    `__eq__`, a tensor's `__bool__`) runs once the operation has started
+    changing the cache, and every identity can be encoded on the wire. Any
+    other type (a float, a tensor, a subclass of an allowed type) raises
+    `InvalidType` naming the value; a str with a lone surrogate (not valid
+    Unicode) raises `InvalidArgument`. Identities are checked in order, each
+    one's type before its value. A list is read once, into a tuple: what the
+    caller does with it later changes nothing here (a tuple of these values is
+    immutable already, and kept as it is).
+    """
     if extra is None:
         return None
     if not isinstance(extra, (list, tuple)):
@@ -187,9 +238,55 @@ def extra_tuple(extra: object) -> tuple[Hashable, ...] | None:
             "extra must be None or a list/tuple of per-block identities, "
             f"got {type(extra).__name__}"
         )
-    for i, item in enumerate(extra):
-        try:
-            hash(item)
-        except TypeError:
-            raise InvalidType(f"extra[{i}] is not hashable: {item!r}") from None
-    return tuple(extra)
+    items = tuple(extra)
+    atoms = _IDENTITY_ATOMS
+    for i, item in enumerate(items):
+        kind = type(item)
+        if kind in atoms:
+            continue
+        if kind is str:
+            if not item.isascii():
+                _check_unicode(item, f"extra[{i}]")
+        else:
+            _check_identity(item, f"extra[{i}]", 1)
+    return items
+
+
+def _check_identity(value: object, where: str, depth: int) -> None:
+    """`extra_tuple`'s check of one identity that is not an atom: a tuple of
+    identities, else refused."""
+    if type(value) is not tuple:
+        raise InvalidType(
+            f"{where} must be {_IDENTITY_TYPES} (exactly, not a subclass), "
+            f"got {type(value).__name__}: {_safe_repr(value)}"
+        )
+    if depth > IDENTITY_DEPTH:
+        raise InvalidArgument(f"{where}: identity tuples nest more than {IDENTITY_DEPTH} deep")
+    for j, item in enumerate(value):
+        kind = type(item)
+        if kind in _IDENTITY_ATOMS:
+            continue
+        if kind is str:
+            if not item.isascii():
+                _check_unicode(item, f"{where}[{j}]")
+        else:
+            _check_identity(item, f"{where}[{j}]", depth + 1)
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """Refuse a str that UTF-8 cannot encode (a lone surrogate) ([R60])."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{where} is not valid Unicode (a lone surrogate at position {exc.start}): {text!r}"
+        ) from None
+
+
+def _safe_repr(value: object) -> str:
+    """`repr(value)` for an error message, short, and never raising."""
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the error being reported
+        text = object.__repr__(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -264,7 +264,7 @@ def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ..
     for t in tokens:
         try:
             operator.index(t)
-        except TypeError:
+        except Exception:  # [R60]: whatever its conversion raises, it is no integer id
             raise InvalidType(f"{what}: every token must be an integer, got {t!r}") from None
     for t in tokens:
         if not 0 <= operator.index(t) < 2**64:
@@ -274,23 +274,44 @@ def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ..
     return tuple(operator.index(t) for t in tokens)  # [R5]: stored as plain ints
 
 
+def _valid_unicode(text: str) -> bool:
+    return not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
 def _check_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str):
-        raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
+    # [R60]: exactly a str (a subclass's __hash__ would run mid-operation), valid Unicode.
+    if type(namespace) is not str:
+        raise InvalidType(f"namespace must be exactly a str, got {type(namespace).__name__}")
+    if not _valid_unicode(namespace):
+        raise InvalidArgument(f"namespace {namespace!r} holds a lone surrogate")
     return namespace
 
 
+def _check_identity(value: object, where: str, depth: int) -> None:
+    # [R60]: None, bool, int, str, bytes or tuples of those, exactly; each
+    # identity's type before its value, in order; tuples nest at most 32 deep.
+    if value is None or type(value) in (bool, int, bytes):
+        return
+    if type(value) is str:
+        if not _valid_unicode(value):
+            raise InvalidArgument(f"{where} {value!r} holds a lone surrogate")
+        return
+    if type(value) is not tuple:
+        raise InvalidType(f"{where} must be None/bool/int/str/bytes/tuple, got {type(value)}")
+    if depth > 32:
+        raise InvalidArgument(f"{where}: identity tuples nest more than 32 deep")
+    for j, item in enumerate(value):
+        _check_identity(item, f"{where}[{j}]", depth + 1)
+
+
 def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
-    # [R1], [R5]: stored as a tuple; identities compared with ==.
+    # [R1], [R5], [R60]: stored as a tuple; identities compared with ==.
     if extra is None:
         return None
     if not isinstance(extra, (list, tuple)):
         raise InvalidType(f"extra must be None or a list/tuple, got {type(extra).__name__}")
     for i, e in enumerate(extra):
-        try:
-            hash(e)
-        except TypeError:
-            raise InvalidType(f"extra[{i}] must be hashable, got {type(e).__name__}") from None
+        _check_identity(e, f"extra[{i}]", 1)
     return tuple(extra)
 
 

@@ -150,6 +150,30 @@ def build_world() -> World:
     return world
 
 
+class _OwnHash:
+    """An identity with its own hash and equality (user code the cache must not run)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _OwnHash)
+
+
+class _Str(str):
+    """A str subclass whose hash is its own."""
+
+    def __hash__(self) -> int:
+        return 7
+
+
+def _nested(depth: int) -> tuple[Any, ...]:
+    value: tuple[Any, ...] = ()
+    for _ in range(depth - 1):
+        value = (value,)
+    return value
+
+
 def _grad_state() -> dict[str, torch.Tensor]:
     return {k: v.clone().requires_grad_(True) for k, v in empty_state().items()}
 
@@ -229,6 +253,22 @@ def _rows() -> list[Any]:
     add(t, "match-extra-unhashable", lambda w: w.trie.match([1], extra=[[1]]),
         InvalidType, r"extra\[0\]")
     add(t, "match-extra-dict", lambda w: w.trie.match([1], extra={1: 2}), InvalidType, "extra")
+    # [R60] (issue 44 item 1): identities the cache could not own, refused at the boundary
+    add(t, "match-extra-float", lambda w: w.trie.match([1], extra=(None, 1.5)),
+        InvalidType, r"extra\[1\] .*float: 1\.5")
+    add(t, "match-extra-tensor", lambda w: w.trie.match([1], extra=(torch.tensor([1, 2]),)),
+        InvalidType, r"extra\[0\] .*Tensor")
+    add(t, "match-extra-custom-hash", lambda w: w.trie.match([1], extra=(_OwnHash(),)),
+        InvalidType, r"extra\[0\] .*_OwnHash")
+    add(t, "match-extra-str-subclass", lambda w: w.trie.match([1], extra=(_Str("a"),)),
+        InvalidType, r"extra\[0\] .*_Str")
+    add(t, "match-extra-nested-float", lambda w: w.trie.match([1], extra=(("img", 0.5),)),
+        InvalidType, r"extra\[0\]\[1\] .*float")
+    add(t, "match-namespace-str-subclass", lambda w: w.trie.match([1], namespace=_Str("t")),
+        InvalidType, "namespace")
+    add(t, "match-token-uint64-tensor-2**63",
+        lambda w: w.trie.match([torch.tensor(2**63, dtype=torch.uint64), 1]),
+        InvalidType, "tokens must contain only integers; found tensor")
     add(t, "append-int", lambda w: w.trie.append(w.plain, 5), InvalidType, "tokens")
     add(t, "append-float", lambda w: w.trie.append(w.plain, [1.5]), InvalidType, "tokens")
     add(t, "allocate-float", lambda w: w.trie.allocate(w.plain, 2.5), InvalidType, "num_tokens")
@@ -265,6 +305,12 @@ def _rows() -> list[Any]:
     add(r, "match-empty", lambda w: w.trie.match([]), InvalidArgument, "token")
     add(r, "match-negative", lambda w: w.trie.match([1, -2]), InvalidArgument, "tokens")
     add(r, "match-2**64", lambda w: w.trie.match([2**64]), InvalidArgument, "tokens")
+    add(r, "match-extra-lone-surrogate", lambda w: w.trie.match([1], extra=("a", "\ud800")),
+        InvalidArgument, r"extra\[1\] is not valid Unicode")
+    add(r, "match-namespace-lone-surrogate", lambda w: w.trie.match([1], namespace="t\udfff"),
+        InvalidArgument, "namespace is not valid Unicode")
+    add(r, "match-extra-nested-too-deep", lambda w: w.trie.match([1], extra=(_nested(33),)),
+        InvalidArgument, "nest more than 32 deep")
     add(r, "append-negative", lambda w: w.trie.append(w.plain, [-1]), InvalidArgument, "tokens")
     add(r, "allocate-negative", lambda w: w.trie.allocate(w.plain, -1),
         InvalidArgument, "num_tokens")

@@ -122,15 +122,29 @@ def test_a_failure_no_element_explains_is_still_invalid_type() -> None:
     assert str(raised.value) == "prompt must hold integer token ids (an element failed to convert)"
 
 
-def test_extra_tuple_keeps_none_and_tuples_hashable_identities() -> None:
-    """None stays None; a list or tuple becomes a tuple of the same items; the first
-    unhashable item is `InvalidType` naming its index and value."""
+def test_extra_tuple_keeps_none_and_tuples_of_identities_the_cache_owns() -> None:
+    """None stays None; a list or tuple becomes a tuple of the same items; the
+    first item outside [R60]'s types is `InvalidType` naming its index, type and
+    value; a lone surrogate is `InvalidArgument` naming where."""
     assert extra_tuple(None) is None
     assert extra_tuple(["a", 1, None]) == ("a", 1, None)
     assert extra_tuple(()) == ()
+    kept = ("a", (b"b", (True, -3)))
+    assert extra_tuple(kept) == kept
     with pytest.raises(InvalidType) as raised:
         extra_tuple(["a", ["b"], {}])
-    assert str(raised.value) == "extra[1] is not hashable: ['b']"
+    assert str(raised.value) == (
+        "extra[1] must be None, bool, int, str, bytes or a tuple of those "
+        "(exactly, not a subclass), got list: ['b']"
+    )
+    with pytest.raises(InvalidType) as raised:
+        extra_tuple([("a", ("b", 2.5))])
+    assert str(raised.value).startswith("extra[0][1][1] must be None, bool, int, str")
+    with pytest.raises(InvalidArgument) as bad:
+        extra_tuple(["ok", ("x", "ab\udc80")])
+    assert str(bad.value) == (
+        "extra[1][1] is not valid Unicode (a lone surrogate at position 2): 'ab\\udc80'"
+    )
     with pytest.raises(InvalidType) as raised:
         extra_tuple({"a": 1})
     assert str(raised.value) == (
