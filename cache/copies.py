@@ -377,10 +377,13 @@ class ManualCopies(CopyEngine):
         try:
             copy.run()
         except BaseException:
-            copy._fail()  # its data is partial: it never delivers
+            if not copy.failed:
+                copy._fail()  # its data is partial: it never delivers
             raise
         finally:
             copy._drop_temporaries()  # ran on the current stream: what follows is ordered after it
+        if copy.failed:  # failed from inside its own run: its data never arrived
+            raise CopyFailed(f"complete(): {copy!r} failed while it ran; it can never complete")
         copy.fire(CopyTrigger.FINISH)
 
     def complete_all(self) -> None:

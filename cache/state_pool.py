@@ -2,12 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
 from cache.faults import Faults
 from spec.errors import CacheError, InvalidArgument, InvalidType, OutOfStateSlots
+
+
+class StorageSpan(NamedTuple):
+    """The bytes `[start, stop)` on `device` of a pool tensor's whole storage, and
+    the pool's name (what `check_runtime` says a runtime tensor overlaps)."""
+
+    device: torch.device
+    start: int
+    stop: int
+    name: str
+
+
+def storage_spans(pools: Iterable[tuple[str, torch.Tensor | None]]) -> list[StorageSpan]:
+    """The storage span of each named pool tensor (None, or empty, is skipped)."""
+    spans: list[StorageSpan] = []
+    for name, tensor in pools:
+        if tensor is None or tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        spans.append(StorageSpan(tensor.device, start, start + storage.nbytes(), name))
+    return spans
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes `[start, stop)` from the first to past the last element of `tensor`
+    (its elements lie in there; a strided view may skip some)."""
+    if tensor.numel() == 0:
+        return (0, 0)
+    size = tensor.element_size()
+    start = stop = tensor.data_ptr()
+    for n, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride >= 0:
+            stop += (n - 1) * stride * size
+        else:
+            start += (n - 1) * stride * size
+    return start, stop + size
 
 
 class CheckpointSlotPool:
@@ -27,6 +65,7 @@ class CheckpointSlotPool:
         "_free",
         "_held",
         "capacity",
+        "dtype",
         "name",
         "shapes",
         "tensors",
@@ -45,6 +84,8 @@ class CheckpointSlotPool:
     ) -> None:
         self.capacity = num_slots
         self.shapes = dict(shapes)
+        self.dtype = dtype
+        """The dtype of every state tensor in the pool."""
         self.name = name
         self._fault_point = "slots.take" if name == "checkpoint pool" else "host_slots.take"
         self.tensors: dict[str, torch.Tensor] = (
@@ -91,15 +132,23 @@ class CheckpointSlotPool:
         return {name: t[slot] for name, t in self.tensors.items()}
 
     def check_runtime(
-        self, runtime_state: object, written: bool = False
+        self,
+        runtime_state: object,
+        written: bool = False,
+        pools: Iterable[StorageSpan] = (),
     ) -> dict[str, torch.Tensor]:
         """Validate an engine's runtime state for one sequence; returns it as a dict.
 
         It must map exactly the configured state names to tensors of the
         configured shapes, dense (strided), on a real device (dtype and device
-        may differ from the pool's: copies convert). Tensors a restore writes
-        (`written`) must not require grad nor overlap themselves (an
-        `expand()`ed view). With no configured states, None or {} is accepted.
+        may differ from the pool's: copies convert, but complex and real never
+        mix, [R63]: the imaginary part would be dropped). No tensor may
+        overlap the storage of one of `pools` (the cache's own pools: a
+        runtime view of a checkpoint slot or a KV block would be read or
+        overwritten behind its owner's back, [R63]). Tensors a restore writes
+        (`written`) must not require grad, nor overlap themselves (an
+        `expand()`ed view) or each other ([R63]). With no configured states,
+        None or {} is accepted.
         """
         if runtime_state is None and not self.shapes:
             return {}
@@ -142,5 +191,41 @@ class CheckpointSlotPool:
                 raise InvalidArgument(
                     f"runtime_state[{name!r}] requires grad; a restore cannot write into it"
                 )
+            if tensor.is_complex() != self.dtype.is_complex:  # [R63]
+                raise InvalidArgument(
+                    f"runtime_state[{name!r}] is {tensor.dtype} and the {self.name} holds "
+                    f"{self.dtype}: complex and real states do not convert (an imaginary "
+                    "part would be dropped)"
+                )
             out[name] = tensor
+        self._check_overlaps(out, written, pools)
         return out
+
+    @staticmethod
+    def _check_overlaps(
+        runtime: dict[str, torch.Tensor], written: bool, pools: Iterable[StorageSpan]
+    ) -> None:
+        """[R63]: no runtime tensor overlaps a pool's storage, and no two tensors a
+        restore writes overlap each other (byte extents, compared per device)."""
+        extents = {name: (tensor.device, *_extent(tensor)) for name, tensor in runtime.items()}
+        for name, (device, start, stop) in extents.items():
+            if start == stop:
+                continue
+            for span in pools:
+                if span.device == device and start < span.stop and span.start < stop:
+                    raise InvalidArgument(
+                        f"runtime_state[{name!r}] overlaps the storage of the cache's "
+                        f"{span.name} (a view of a pool); pass the engine's own tensor"
+                    )
+        if not written:
+            return
+        seen: list[tuple[str, torch.device, int, int]] = []
+        for name, (device, start, stop) in extents.items():
+            for other, o_device, o_start, o_stop in seen:
+                if device == o_device and start < o_stop and o_start < stop:
+                    raise InvalidArgument(
+                        f"runtime_state[{name!r}] and runtime_state[{other!r}] overlap: "
+                        "a restore would write one over the other"
+                    )
+            if start != stop:
+                seen.append((name, device, start, stop))

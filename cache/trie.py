@@ -65,7 +65,7 @@ from cache.node import (
 )
 from cache.offload import Offload, refuse_unloaded
 from cache.sequence import PinReceipt, RestorePoint, Sequence
-from cache.state_pool import CheckpointSlotPool
+from cache.state_pool import CheckpointSlotPool, storage_spans
 from cache.stats import CacheStats
 from cache.transfers import Transfers
 from cache.validation import (
@@ -166,6 +166,14 @@ class BlockTrie:
                 "(host) checkpoint slots "
                 f"({config.state_bytes_per_slot()} B each) on {self.device}: {exc}"
             ) from None
+        self._pool_spans = storage_spans(  # what no runtime state may overlap ([R63])
+            [
+                ("KV pool", self._kv.tensor),
+                *((f"checkpoint pool {n!r}", t) for n, t in self._slots.tensors.items()),
+                ("host tier", host_pool.tensor),
+                *((f"host checkpoint pool {n!r}", t) for n, t in host_slots.tensors.items()),
+            ]
+        )
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
         # Every node needs a device or a host block, but roots: room for all of

@@ -184,6 +184,24 @@ def _with(name: str, tensor: torch.Tensor, base: dict[str, torch.Tensor] | None 
     return out
 
 
+def _slot_views(trie: BlockTrie, slot: int) -> dict[str, torch.Tensor]:
+    """Views of one checkpoint slot, from the public `checkpoint_states`."""
+    return {name: pool[slot] for name, pool in trie.checkpoint_states.items()}
+
+
+def _kv_view(trie: BlockTrie) -> torch.Tensor:
+    """A (2, 3) view into the KV pool's last block."""
+    kv = trie.kv_cache
+    assert kv is not None
+    return kv[-1].reshape(-1)[:6].view(2, 3)
+
+
+def _aliased() -> dict[str, torch.Tensor]:
+    """Restore targets that share memory: "ssm" is the second row of "conv"."""
+    conv = torch.zeros(2, 3, dtype=torch.float64)
+    return {"conv": conv, "ssm": conv[1]}
+
+
 def _expanded() -> torch.Tensor:
     return torch.zeros(1, 3, dtype=torch.float64).expand(2, 3)  # overlapping memory
 
@@ -345,6 +363,25 @@ def _rows() -> list[Any]:
         InvalidArgument, r"runtime_state\['ssm'\]")
     add(r, "save-state-sparse", lambda w: w.trie.save(w.plain, 5, _with("ssm", _sparse())),
         InvalidArgument, r"runtime_state\['ssm'\]")
+    # [R63] (issue 44 items 4 and 6): runtime state that aliases the pools, or complex
+    add(r, "restore-into-another-checkpoint's-slot", lambda w: w.trie.restore(
+        w.live, _slot_views(w.trie, 0)),
+        InvalidArgument, r"runtime_state\['conv'\] overlaps the storage of the cache's "
+        r"checkpoint pool 'conv'")
+    add(r, "save-from-a-checkpoint's-slot",
+        lambda w: w.trie.save(w.plain, 5, _slot_views(w.trie, 1)),
+        InvalidArgument, "overlaps the storage of the cache's checkpoint pool")
+    add(r, "restore-into-the-kv-pool", lambda w: w.trie.restore(
+        w.live, _with("conv", _kv_view(w.trie), empty_state())),
+        InvalidArgument, "overlaps the storage of the cache's KV pool")
+    add(r, "restore-targets-alias-each-other", lambda w: w.trie.restore(w.live, _aliased()),
+        InvalidArgument, r"runtime_state\['ssm'\] and runtime_state\['conv'\] overlap")
+    add(r, "save-complex-state", lambda w: w.trie.save(
+        w.plain, 5, _with("ssm", torch.zeros(3, dtype=torch.complex128))),
+        InvalidArgument, "imaginary part")
+    add(r, "restore-into-complex-state", lambda w: w.trie.restore(
+        w.live, _with("ssm", torch.zeros(3, dtype=torch.complex128), empty_state())),
+        InvalidArgument, "imaginary part")
     add(r, "faults-arm-negative", lambda w: w.trie.faults.arm(after=-1), ValueError, "after")
 
     # ------------------------------------------------------- lifecycle misuse

@@ -3,6 +3,9 @@ test that failed before its fix.
 
 1. User code after validation ([R60]): identities and namespaces the cache cannot
    own are refused by `match`, before anything changes.
+4. Runtime state that aliases the pools ([R63]); the refusals themselves are rows of
+   the bad-input catalogue (tests/test_bad_inputs.py, "ranges-...").
+6. Complex runtime state (rows there too); a copy failed inside its own run.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from cache import BlockTrie, CacheError, InvalidArgument, InvalidType
+from cache import BlockTrie, CacheError, CopyFailed, InvalidArgument, InvalidType, ManualCopies
+from cache.copies import Copy
 from spec.model import ReferenceCache
-from tests.helpers import frozen, kv_trie, serve
+from tests.helpers import empty_state, frozen, kv_trie, serve, ssm_trie, state
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks of 4, one token to compute
 
@@ -166,3 +170,116 @@ def _model_and_cache_refuse_alike(call: Callable[[Any], object]) -> None:
 def test_the_reference_model_applies_the_same_rule(call: Callable[[Any], object]) -> None:
     """[R60] is the model's rule too (the differential test compares error classes)."""
     _model_and_cache_refuse_alike(call)
+
+
+# ------------------------------------------------ 4. runtime state aliasing the pools
+
+
+def test_a_restore_into_another_checkpoints_slot_is_refused_and_that_checkpoint_kept() -> None:
+    """Before [R63] the restore was accepted and wrote one checkpoint's state over
+    another's slot: the next request restoring that one got the wrong state."""
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = trie.match([1, 1, 1, 1, 2])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    trie.save(seq, 4, state(7.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(seq)
+    other = trie.match([3, 3, 3, 3, 4])
+    trie.allocate(other, 5)
+    trie.commit(other, 5)
+    trie.save(other, 4, state(9.0))
+    copies.complete_all()
+    trie.poll()
+    trie.release(other)
+    hit = trie.match([1, 1, 1, 1, 5])
+    assert hit.restore is not None
+    mine = hit.restore.checkpoint.serial
+    (slot_of_nine,) = [
+        c["slot"] for serial, c in trie.snapshot()["checkpoints"].items() if serial != mine
+    ]
+    views = {n: t[slot_of_nine] for n, t in trie.checkpoint_states.items()}
+    with pytest.raises(InvalidArgument, match="overlaps the storage of the cache's checkpoint"):
+        trie.restore(hit, views)
+    out = empty_state()
+    trie.restore(hit, out)
+    copies.complete_all()
+    trie.poll()
+    trie.release(hit)
+    assert torch.equal(out["conv"], state(7.0)["conv"])
+    again = trie.match([3, 3, 3, 3, 5])
+    out = empty_state()
+    trie.restore(again, out)
+    copies.complete_all()
+    trie.poll()
+    trie.release(again)
+    assert torch.equal(out["ssm"], state(9.0)["ssm"])  # the other checkpoint is intact
+    trie.check()
+
+
+def test_disjoint_views_of_one_engine_buffer_are_fine_targets() -> None:
+    """[R63] compares the bytes each tensor spans, not whole storages: an engine
+    that keeps every state of a request in one buffer restores into its views."""
+    trie, _ = ssm_trie(manual=False)
+    seq = trie.match([1, 1, 1, 1, 2])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    trie.save(seq, 4, state(3.0))
+    trie.release(seq)
+    buffer = torch.zeros(9, dtype=torch.float64)
+    views = {"conv": buffer[:6].view(2, 3), "ssm": buffer[6:]}
+    hit = trie.match([1, 1, 1, 1, 5])
+    trie.restore(hit, views)
+    trie.release(hit)
+    assert torch.equal(views["conv"], state(3.0)["conv"])
+    assert torch.equal(views["ssm"], state(3.0)["ssm"])
+    trie.check()
+
+
+# ------------------------------------------------ 6. a copy failed inside its own run
+
+
+class _FailsItself:
+    """A move that, while it runs, has the engine declare its copy failed (as an
+    engine does when it sees the transfer go wrong before it returns)."""
+
+    def __init__(self, copies: ManualCopies) -> None:
+        self.copies = copies
+        self.copy: Copy | None = None
+
+    def run(self) -> None:
+        assert self.copy is not None
+        self.copies.fail(self.copy)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def release(self) -> None:
+        pass
+
+
+def test_complete_of_a_copy_failed_inside_its_own_run_raises_copy_failed() -> None:
+    """It raised `IllegalTransition` (finish from `failed`) before: now `CopyFailed`,
+    the copy is failed, its checkpoint withdrawn, and poll reaps it as failed."""
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = trie.match([1, 1, 1, 1, 2])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    copy = trie.save(seq, 4, state(1.0))
+    assert copy is not None
+    move = _FailsItself(copies)
+    move.copy = copy
+    copy.moves.append(move)
+    with pytest.raises(CopyFailed, match="failed while it ran"):
+        copies.complete(copy)
+    assert copy.failed and copy.state == "failed"
+    assert trie.poll() == 1
+    assert trie.stats.copies_failed == 1
+    trie.release(seq)
+    again = trie.match([1, 1, 1, 1, 9])
+    assert again.restore is None  # withdrawn, then released
+    trie.release(again)
+    trie.check()
