@@ -20,7 +20,10 @@ when queued). Two kinds of move:
   move makes (index tensors, gathered blocks, page-locked staging) are made on
   the side stream and stay referenced by the move until that event has fired
   or the copy is reaped; freed earlier (a copy that failed) they are still
-  safe: the caching allocators reuse them only in stream order.
+  safe: the caching allocators reuse them only in stream order. When queuing
+  raises after the moves may have been queued (an interrupt before the event
+  is recorded), the engine waits the side stream out before the error reaches
+  the trie's undo, which frees the copy's blocks and slots ([R62]).
 - `ManualCopies`: for tests. A queued copy moves its data only when the test
   completes it, as a late GPU copy would. Completing a copy first completes
   every earlier pending copy that touches one of its blocks or slots (a stream
@@ -289,28 +292,22 @@ class CopyEngine:
             self._inflight.remove(copy)
 
 
-class DeviceCopies(CopyEngine):
-    """Copies on the pools' device: synchronous on CPU, a side stream on CUDA."""
+class SideStream:
+    """The CUDA side stream `DeviceCopies` queues copies on, and how it waits.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._stream: torch.cuda.Stream | None = None
-        self._device: torch.device | None = None
+    A class of its own so that what happens around a queued copy can be driven
+    on a CPU-only machine: a test stands in for it with a stream that defers
+    the moves it is given (tests/test_reliability.py).
+    """
 
-    def _bind(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            self._device = device
-            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
-    def _start(self, copy: Copy) -> None:
-        stream = self._stream
-        if stream is None:
-            try:
-                copy.run()
-            finally:
-                copy._drop_temporaries()
-            copy.fire(CopyTrigger.FINISH)
-            return
+    def queue(self, copy: Copy) -> torch.cuda.Event:
+        """Queue `copy`'s moves after the current stream's work; returns the event
+        recorded after them."""
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
             copy.run()
@@ -324,7 +321,43 @@ class DeviceCopies(CopyEngine):
                         tensor.record_stream(stream)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        copy._event = event
+        return event
+
+    def synchronize(self) -> None:
+        """Return once everything queued on the stream so far has run."""
+        self.stream.synchronize()  # type: ignore[no-untyped-call]
+
+
+class DeviceCopies(CopyEngine):
+    """Copies on the pools' device: synchronous on CPU, a side stream on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._side: SideStream | None = None
+        self._device: torch.device | None = None
+
+    def _bind(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._device = device
+            self._side = SideStream(device)
+
+    def _start(self, copy: Copy) -> None:
+        side = self._side
+        if side is None:
+            try:
+                copy.run()
+            finally:
+                copy._drop_temporaries()
+            copy.fire(CopyTrigger.FINISH)
+            return
+        try:
+            copy._event = side.queue(copy)
+        except BaseException:
+            # Part of the copy may be queued already: the [R38] undo that follows
+            # frees its blocks and slots, so first wait until the stream is past
+            # it ([R62]), or another request's data could be overwritten.
+            _wait_out(side)
+            raise
 
     def wait(self, copy: Copy) -> None:
         event = copy._event
@@ -337,6 +370,21 @@ class DeviceCopies(CopyEngine):
             event.synchronize()
         else:
             torch.cuda.current_stream(self._device).wait_event(event)
+
+
+def _wait_out(side: SideStream) -> None:
+    """`side.synchronize()`, retried while an interrupt (a `BaseException` that is
+    not an `Exception`, e.g. `KeyboardInterrupt`) cuts it short: the caller is about
+    to free what the stream may still write ([R62]). The interrupt being handled
+    propagates after; an `Exception` from the device (it is broken) propagates now."""
+    while True:
+        try:
+            side.synchronize()
+        except Exception:
+            raise
+        except BaseException:
+            continue
+        return
 
 
 class ManualCopies(CopyEngine):

@@ -39,6 +39,7 @@ class _Log:
         self.calls: list[tuple[Any, ...]] = []
         self.active: list[Any] = []  # the stream context stack
         self.current: dict[Any, _Stream] = {}
+        self.queued: list[Any] = []  # work a deferring stream has not run yet
 
 
 class _Stream:
@@ -50,6 +51,11 @@ class _Stream:
 
     def wait_event(self, event: Any) -> None:
         self.log.calls.append(("wait_event", self, event))
+
+    def synchronize(self) -> None:
+        self.log.calls.append(("stream_synchronize", self))
+        while self.log.queued:  # what the stream still had to run, in order
+            self.log.queued.pop(0)()
 
     def __repr__(self) -> str:
         return f"<{self.name} stream {self.device}>"
@@ -125,7 +131,8 @@ CUDA1 = torch.device("cuda", 1)
 def _engine(log: _Log) -> tuple[DeviceCopies, _Stream]:
     copies = DeviceCopies()
     copies.bind(CUDA1)
-    side = copies._stream
+    assert copies._side is not None
+    side = copies._side.stream
     assert isinstance(side, _Stream) and side.device == CUDA1
     return copies, side
 
@@ -367,3 +374,100 @@ def test_a_copy_failed_while_its_earlier_copies_complete_never_completes() -> No
         engine.complete(copy)
     assert (earlier.state, copy.state) == ("finished", "failed")
     assert out.tolist() == [0.0, 0.0]
+
+
+# ----------------------------------------- an interrupt after the copy was queued ([R62])
+
+
+class _InterruptedEvent(_Event):
+    """An event whose recording is interrupted (a KeyboardInterrupt, an allocator
+    error): the copy is already queued on the stream, its event never recorded."""
+
+    def record(self, stream: Any) -> None:
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_after_a_cuda_copy_was_queued_waits_the_stream_out_before_the_undo(
+    fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44 item 3. A restore of a partial checkpoint queues its copy on the
+    side stream (the frozen tail -> the block the restore just allocated), then is
+    interrupted before the copy's event is recorded. The [R38] undo frees that
+    block: before [R62] at once, while the queued copy would still write it
+    (another request's KV, once the block is handed out again). Now the stream is
+    waited out first: the copy ran while the block was still the restore's."""
+    from tests.helpers import empty_state, ssm_trie, state
+
+    log = fake_cuda
+    trie, _ = ssm_trie(manual=False)  # CPU pools; DeviceCopies
+    seq = trie.match([1, 1, 1, 1, 2, 2, 3])
+    trie.allocate(seq, 7)
+    trie.commit(seq, 7)
+    trie.save(seq, 6, state(5.0))  # a partial checkpoint, frozen tail [2, 2]
+    trie.release(seq)
+    engine = trie.copies
+    assert isinstance(engine, DeviceCopies)
+    engine._bind(CUDA1)  # from now on its copies go through the (fake) CUDA side stream
+    hit = trie.match([1, 1, 1, 1, 2, 2, 9])
+    assert hit.restore is not None and hit.restore.step == 6
+    target = min(trie.snapshot()["free_blocks"])  # the private block [R33] will take
+    held_when_written: list[bool] = []
+    run = Copy.run
+
+    def queue_it(copy: Copy) -> None:  # the stream runs it later, in order
+        def later() -> None:
+            held_when_written.append(target not in trie.snapshot()["free_blocks"])
+            run(copy)
+
+        log.queued.append(later)
+
+    monkeypatch.setattr(Copy, "run", queue_it)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _InterruptedEvent(log))
+    before = trie.snapshot()
+    out = empty_state()
+    with pytest.raises(KeyboardInterrupt):
+        trie.restore(hit, out)
+    assert log.queued == [], "the stream was not waited out: the copy is still queued"
+    assert held_when_written == [True], "the copy wrote a block already freed"
+    assert trie.snapshot() == before, "the restore was undone"
+    assert target in trie.snapshot()["free_blocks"]
+    trie.release(hit)
+    trie.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_interrupt_after_a_real_cuda_copy_was_queued_waits_for_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[R62] on a real device: a restore interrupted between queuing its copy and
+    recording the event returns only once the side stream has run the copy."""
+    from cache import BlockTrie, CacheConfig
+
+    config = CacheConfig(
+        block_size=4, num_blocks=8, kv_block_shape=(4, 1 << 18), kv_dtype=torch.float32,
+        num_checkpoint_slots=2, state_shapes={"s": (1 << 22,)}, state_dtype=torch.float32,
+        device="cuda",
+    )  # fmt: skip
+    trie = BlockTrie(config)
+    seq = trie.match([1, 1, 1, 1, 2, 2, 3])
+    trie.allocate(seq, 7)
+    trie.commit(seq, 7)
+    trie.save(seq, 6, {"s": torch.ones(1 << 22, device="cuda")})
+    torch.cuda.synchronize()
+    trie.poll()
+    trie.release(seq)
+    hit = trie.match([1, 1, 1, 1, 2, 2, 9])
+    engine = trie.copies
+    assert isinstance(engine, DeviceCopies) and engine._side is not None
+
+    class Interrupted:
+        def record(self, stream: Any) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.cuda, "Event", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trie.restore(hit, {"s": torch.zeros(1 << 22, device="cuda")})
+    assert engine._side.stream.query(), "returned while the side stream still ran the copy"
+    monkeypatch.undo()
+    trie.release(hit)
+    trie.check()
