@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cache.completions import CompletionQueue
 from cache.moves import BlockMove, Move, TensorMove, block_moves
 from spec.errors import CacheError, CopyFailed, InvalidArgument, InvalidType
 from spec.lifecycle import COPY, CopyKind, CopyState, CopyTrigger
@@ -161,8 +162,17 @@ class Copy:
 
     @property
     def done(self) -> bool:
-        """Whether the copy is no longer queued (its data moved, or it failed)."""
+        """Whether the copy is no longer queued (its data moved, or it failed).
+
+        On CUDA, looking is what notices that its event fired; only the trie's
+        owning thread then moves the copy to `finished` ([R61]): from another
+        thread this says True and changes nothing.
+        """
         if self.state == _QUEUED and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
+            engine = self._engine
+            completions = engine._completions if engine is not None else None
+            if completions is not None and not completions.on_owner():
+                return True
             self.fire(CopyTrigger.FINISH)
             self._drop_temporaries()
         return self.state != _QUEUED
@@ -223,6 +233,9 @@ class CopyEngine:
     def __init__(self) -> None:
         self._inflight: list[Copy] = []
         self._bound = False
+        self._completions: CompletionQueue | None = None
+        """The door reports from other threads come through ([R61]); the trie this
+        engine serves sets it (None: no trie, reports apply at once)."""
 
     def bind(self, device: torch.device) -> None:
         """Called once by the trie that owns this engine, with its pools' device.
@@ -272,14 +285,35 @@ class CopyEngine:
         references are released when `poll()` reaps it. Failing a failed copy
         does nothing; raises `InvalidType` for a non-copy and `InvalidArgument`
         for a copy of another engine or one that already finished.
+
+        May be called from any thread ([R61]): from a thread other than the
+        trie's owner (or while an operation runs) it is recorded and applied by
+        the owning thread at its next `poll()`; the checks of the copy's state
+        are made then, and a failure of a copy that has finished by then is
+        dropped.
         """
+        self._report("fail()", copy, self._fail_now)
+
+    def _report(self, call: str, copy: Copy, apply: Callable[[Copy, bool], None]) -> None:
+        """Check `copy` is this engine's, then apply `apply(copy, deferred)` now or
+        record it for the owning thread ([R61], `cache.completions`)."""
         if not isinstance(copy, Copy):
-            raise InvalidType(f"fail() takes a Copy, got {type(copy).__name__}")
+            raise InvalidType(f"{call} takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:
             raise InvalidArgument(f"{copy!r} was not queued on this {type(self).__name__}")
+        completions = self._completions
+        if completions is None:
+            apply(copy, False)
+        else:
+            completions.submit(lambda deferred: apply(copy, deferred))
+
+    @staticmethod
+    def _fail_now(copy: Copy, deferred: bool) -> None:
         if copy.failed:
             return
         if copy.state != _QUEUED:
+            if deferred:  # it finished before the report was applied: its data arrived
+                return
             raise InvalidArgument(f"fail(): {copy!r} already finished; its data arrived")
         copy._fail()
 
@@ -404,14 +438,22 @@ class ManualCopies(CopyEngine):
 
         Raises `InvalidType` for a non-copy, `InvalidArgument` for a copy not
         queued on this engine ([R3]), `CopyFailed` for a copy that failed
-        (or fails now because a copy it reads failed, [R46]). A copy whose own
-        data movement raises is failed, and the error propagates.
+        (or fails now because a copy it reads failed, [R46], or is failed from
+        inside its own run). A copy whose own data movement raises is failed,
+        and the error propagates.
+
+        May be called from any thread ([R61]): from a thread other than the
+        trie's owner (or while an operation runs) it is recorded, and the owning
+        thread moves the data at its next `poll()`, before reaping; what would
+        have been raised is not (a copy that failed stays failed, and is reaped
+        as such).
         """
-        if not isinstance(copy, Copy):
-            raise InvalidType(f"complete() takes a Copy, got {type(copy).__name__}")
-        if copy._engine is not self:
-            raise InvalidArgument(f"{copy!r} was not queued on this ManualCopies")
+        self._report("complete()", copy, self._complete_now)
+
+    def _complete_now(self, copy: Copy, deferred: bool) -> None:
         if copy.failed:
+            if deferred:
+                return
             raise CopyFailed(f"complete(): {copy!r} failed; it can never complete")
         if copy.state != _QUEUED:
             return  # finished (or reaped) already
@@ -419,26 +461,45 @@ class ManualCopies(CopyEngine):
             if earlier is copy:
                 break
             if earlier.state == _QUEUED and earlier.resources & copy.resources:
-                self.complete(earlier)
+                self._complete_now(earlier, deferred)
         if copy.failed:  # a copy it reads failed on the way
+            if deferred:
+                return
             raise CopyFailed(f"complete(): {copy!r} failed; it can never complete")
+        completions = self._completions
         try:
-            copy.run()
-        except BaseException:
+            if completions is None:
+                copy.run()
+            else:
+                with completions.running():
+                    copy.run()
+        except BaseException as exc:
             if not copy.failed:
                 copy._fail()  # its data is partial: it never delivers
+            if deferred and isinstance(exc, Exception):
+                return  # failed, and reaped as such; nobody to raise it to
             raise
         finally:
             copy._drop_temporaries()  # ran on the current stream: what follows is ordered after it
         if copy.failed:  # failed from inside its own run: its data never arrived
+            if deferred:
+                return
             raise CopyFailed(f"complete(): {copy!r} failed while it ran; it can never complete")
         copy.fire(CopyTrigger.FINISH)
 
     def complete_all(self) -> None:
-        """Complete every pending copy, oldest first (skipping copies that fail on the way)."""
+        """Complete every pending copy, oldest first (skipping copies that fail on the
+        way). From another thread: recorded as one report ([R61])."""
+        completions = self._completions
+        if completions is None:
+            self._complete_all_now(False)
+        else:
+            completions.submit(self._complete_all_now)
+
+    def _complete_all_now(self, deferred: bool) -> None:
         for copy in self.pending():
             if copy.state == _QUEUED:
-                self.complete(copy)
+                self._complete_now(copy, deferred)
 
     def wait(self, copy: Copy) -> None:
         """Complete `copy` now, with the earlier copies it depends on ([R36])."""

@@ -1,6 +1,7 @@
 """Inspection: the whole cache as plain data, and every spec invariant checked on it.
 
-`snapshot` reads a `BlockTrie` (never changes it) into the neutral
+`snapshot` reads a `BlockTrie` (never changes it: not even a CUDA copy's state,
+which `poll()` brings up to date) into the neutral
 `spec.snapshot.Snapshot` that the reference model also produces, so the same
 predicates (`spec.invariants`) check both, and `observe` compares them.
 """
@@ -11,7 +12,10 @@ from typing import TYPE_CHECKING
 
 from cache.node import NO_NODE, state_name
 from spec import invariants
+from spec.lifecycle import CopyState
 from spec.snapshot import CheckpointView, CopyView, NodeView, SequenceView, Snapshot
+
+_QUEUED = CopyState.QUEUED.value
 
 if TYPE_CHECKING:
     from cache.node import Node
@@ -79,12 +83,11 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         }
     copies: dict[int, CopyView] = {}
     for cid, c in trie._transfers.inflight.items():
-        done = c.done  # may finish (CUDA) as we look: read the state after
         copies[cid] = {
             "kind": c.kind,
             "blocks": list(c.blocks),
             "pins": [r.checkpoint.serial for r in c.receipts],
-            "done": done,
+            "done": c.state != _QUEUED,  # as last seen: looking at a CUDA event is poll's
             "state": c.state,
             "host_blocks": list(c.host_blocks),
             "nodes": [serial[n] for n in c.nodes],

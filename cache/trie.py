@@ -22,9 +22,11 @@ The numbers in brackets cite the rules of the operational semantics
 (docs/semantics.md), which the reference model `spec.model` cites too.
 
 Single-threaded ([R45]): one engine scheduler owns a trie. A second thread
-that enters an operation while another is running gets `ConcurrentUse`
-before it changes anything (a lock taken without waiting: detection, not
-support; no call ever blocks on it).
+that enters an operation (`snapshot()` and `check()` included) while another
+is running gets `ConcurrentUse` before it changes anything (a lock taken
+without waiting: detection, not support; no call ever blocks on it). Copy
+completion and failure may be reported from any thread: `cache.completions`
+records them for the owning thread, which applies them in `poll()` ([R61]).
 
 This module is longer than the ~400 lines the others keep to (about 970
 lines: 680 of code, 200 of docstrings, 110 blank or comments): it holds twenty
@@ -45,6 +47,7 @@ import torch
 from cache import inspection
 from cache.checkpointing import Checkpointing
 from cache.checkpoints import CheckpointStore
+from cache.completions import CompletionQueue
 from cache.config import CacheConfig
 from cache.copies import Copy, CopyEngine, DeviceCopies
 from cache.event_log import EventLog, EventRecords
@@ -231,6 +234,8 @@ class BlockTrie:
         )  # fmt: skip
         self._explicit: dict[int, PinReceipt] = {}
         self._gate = threading.Lock()  # held while an operation runs ([R45])
+        self._completions = CompletionQueue(self._gate)  # reports from other threads ([R61])
+        engine._completions = self._completions
 
     # ------------------------------------------------------------------ counts
 
@@ -329,6 +334,7 @@ class BlockTrie:
                     "complete and poll() them before swapping engines"
                 )
             engine.bind(self.device)
+            engine._completions = self._completions
             self._transfers.engine = engine
         finally:
             self._gate.release()
@@ -890,10 +896,16 @@ class BlockTrie:
 
     def poll(self) -> int:
         """Reap finished copies, oldest first, releasing their pins and references
-        ([R35]). Returns how many were reaped."""
+        ([R35]). Returns how many were reaped.
+
+        First it applies, in the order they were made, the completions and
+        failures other threads reported since ([R61]); the calling thread
+        becomes the trie's owning thread.
+        """
         if not self._gate.acquire(False):
             raise self._concurrent_use("poll()")
         try:
+            self._completions.claim_and_apply()
             return self._transfers.poll()
         finally:
             self._gate.release()
@@ -964,13 +976,28 @@ class BlockTrie:
     # ------------------------------------------------------------ inspection
 
     def snapshot(self) -> Snapshot:
-        """The whole cache as plain data (`spec.snapshot.Snapshot`)."""
-        return inspection.snapshot(self)
+        """The whole cache as plain data (`spec.snapshot.Snapshot`).
+
+        Like every operation it holds the trie while it reads: from a monitor
+        thread it is either consistent or refused with `ConcurrentUse` ([R61]).
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("snapshot()")
+        try:
+            return inspection.snapshot(self)
+        finally:
+            self._gate.release()
 
     def check(self) -> None:
         """Verify invariants 1-7, 9 and 10 (`spec.invariants.INVARIANTS`) on the live
-        structure; raises `InvariantViolation` naming the first one broken."""
-        inspection.check(self)
+        structure; raises `InvariantViolation` naming the first one broken, and
+        `ConcurrentUse` while another thread's operation runs ([R61])."""
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("check()")
+        try:
+            inspection.check(self)
+        finally:
+            self._gate.release()
 
     def __repr__(self) -> str:
         return (

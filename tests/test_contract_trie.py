@@ -136,6 +136,8 @@ def _operations(trie: BlockTrie, seq: Sequence) -> dict[str, Callable[[], object
         "drain_events()": trie.drain_events,
         "drain_event_records()": trie.drain_event_records,
         "copies": lambda: setattr(trie, "copies", ManualCopies()),
+        "snapshot()": trie.snapshot,
+        "check()": trie.check,
     }
 
 
@@ -143,6 +145,7 @@ OPERATIONS = [
     "match()", "append()", "allocate()", "load()", "commit()", "release()", "abort()",
     "evict()", "evict_host()", "evict_checkpoints()", "clear()", "save()", "restore()",
     "poll()", "pin()", "unpin()", "drain_events()", "drain_event_records()", "copies",
+    "snapshot()", "check()",
 ]  # fmt: skip
 
 

@@ -3,6 +3,10 @@ test that failed before its fix.
 
 1. User code after validation ([R60]): identities and namespaces the cache cannot
    own are refused by `match`, before anything changes.
+2. Copy completion and failure from other threads ([R61]): recorded at once, applied
+   by the owning thread; `check()` / `snapshot()` from a monitor thread are
+   consistent or `ConcurrentUse`.
+3. An error after a copy was queued on a stream ([R62]): tests/test_contract_copies.py.
 4. Runtime state that aliases the pools ([R63]); the refusals themselves are rows of
    the bad-input catalogue (tests/test_bad_inputs.py, "ranges-...").
 6. Complex runtime state (rows there too); a copy failed inside its own run.
@@ -10,14 +14,29 @@ test that failed before its fix.
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from cache import BlockTrie, CacheError, CopyFailed, InvalidArgument, InvalidType, ManualCopies
+from cache import (
+    BlockTrie,
+    CacheError,
+    CheckpointError,
+    ConcurrentUse,
+    CopyFailed,
+    InvalidArgument,
+    InvalidType,
+    ManualCopies,
+)
+from cache.checkpoints import CheckpointStore
 from cache.copies import Copy
+from cache.eviction import Evictor
 from spec.model import ReferenceCache
 from tests.helpers import empty_state, frozen, kv_trie, serve, ssm_trie, state
 
@@ -170,6 +189,199 @@ def _model_and_cache_refuse_alike(call: Callable[[Any], object]) -> None:
 def test_the_reference_model_applies_the_same_rule(call: Callable[[Any], object]) -> None:
     """[R60] is the model's rule too (the differential test compares error classes)."""
     _model_and_cache_refuse_alike(call)
+
+
+# ------------------------------------------------ 2. completion from other threads
+
+
+def _in_thread(call: Callable[[], object]) -> BaseException | None:
+    """Run `call` on another thread, to its end; returns what it raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    return raised[0] if raised else None
+
+
+def test_a_failure_reported_from_another_thread_inside_match_waits_for_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before [R61] the failure applied at once, between match finding the checkpoint
+    matchable and pinning it: match raised `IllegalTransition` holding block
+    references for good. Now it is recorded; match completes; poll applies it (the
+    checkpoint is withdrawn, the restore refused) and every count adds up."""
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = trie.match([1, 1, 1, 1, 2])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    save = trie.save(seq, 4, state(1.0))
+    assert save is not None
+    trie.release(seq)
+    find = CheckpointStore.deepest_match
+    outcome: list[BaseException | None] = []
+
+    def fail_meanwhile(*args: Any) -> Any:
+        found = find(*args)
+        outcome.append(_in_thread(lambda: copies.fail(save)))
+        return found
+
+    monkeypatch.setattr(CheckpointStore, "deepest_match", staticmethod(fail_meanwhile))
+    hit = trie.match([1, 1, 1, 1, 3])
+    monkeypatch.undo()
+    assert outcome == [None]
+    assert hit.restore is not None and save.state == "queued", "recorded, not applied"
+    trie.check()
+    assert trie.poll() == 1 and save.failed
+    with pytest.raises(CheckpointError, match="withdrawn"):
+        trie.restore(hit, empty_state())
+    trie.abort(hit)
+    trie.check()
+    assert trie.evict(16) == 1 and trie.num_free_blocks == 16
+    assert trie.num_free_checkpoint_slots == 4
+
+
+def test_check_and_snapshot_from_a_monitor_thread_mid_operation_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, a monitor's `check()` in the middle of a commit saw half-attached nodes
+    and reported a false `InvariantViolation` (or a `KeyError`); now both calls
+    answer `ConcurrentUse` while an operation runs, and a consistent answer after."""
+    trie = kv_trie()
+    adopt = Evictor.adopt_all
+    seen: list[BaseException | None] = []
+
+    def watch_meanwhile(evictor: Evictor, nodes: Any, blocks: Any) -> None:
+        seen.append(_in_thread(trie.check))
+        seen.append(_in_thread(trie.snapshot))
+        adopt(evictor, nodes, blocks)
+
+    monkeypatch.setattr(Evictor, "adopt_all", watch_meanwhile)
+    serve(trie, PROMPT)
+    assert [type(e) for e in seen] == [ConcurrentUse, ConcurrentUse]
+    assert "check()" in str(seen[0]) and "snapshot()" in str(seen[1])
+    assert _in_thread(trie.check) is None
+    assert trie.num_cached_blocks == 2
+
+
+def test_a_completion_from_the_owning_thread_applies_at_once_and_from_another_at_poll() -> None:
+    """The owning thread keeps today's behaviour (the data moves when it says so);
+    another thread's report waits for the owner's next `poll()`, which reaps it."""
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = trie.match([1, 1, 1, 1, 2])
+    trie.allocate(seq, 5)
+    trie.commit(seq, 5)
+    first = trie.save(seq, 4, state(1.0))
+    assert first is not None
+    assert _in_thread(lambda: copies.complete(first)) is None
+    assert first.state == "queued" and not first.done
+    assert trie.poll() == 1 and first.state == "reaped"
+    second = trie.save(seq, 5, state(2.0))
+    assert second is not None
+    copies.complete(second)
+    assert second.state == "finished"
+    assert _in_thread(lambda: copies.fail(second)) is None  # finished since: dropped
+    assert trie.poll() == 1 and not second.failed
+    trie.release(seq)
+    trie.check()
+
+
+def test_completions_and_failures_hammered_from_three_threads_keep_every_invariant() -> None:
+    """The scheduler (this thread) serves requests with checkpoints and restores;
+    two completion threads complete and fail whatever copies are pending; a
+    monitor thread checks the invariants and takes snapshots. Every monitor call
+    is consistent or `ConcurrentUse` (the scheduler retries a call the monitor
+    refused: `ConcurrentUse` changes nothing); no thread sees any other error; at
+    the end every pool is whole again."""
+    trie, copies = ssm_trie(num_blocks=24, slots=4)
+    assert copies is not None
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    reports = [0, 0]
+    monitor_ok = [0]
+
+    def retry(call: Callable[..., Any], *args: Any) -> Any:
+        while True:
+            try:
+                return call(*args)
+            except ConcurrentUse:  # the monitor holds the trie for a moment
+                time.sleep(0)
+
+    def completer(k: int) -> None:
+        rng = random.Random(k)
+        try:
+            while not stop.is_set():
+                pending = copies.pending()
+                if pending:
+                    copy = rng.choice(pending)
+                    (copies.fail if rng.random() < 0.3 else copies.complete)(copy)
+                    reports[k] += 1
+                time.sleep(0.0002)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def monitor() -> None:
+        try:
+            while not stop.is_set():
+                for look in (trie.check, trie.snapshot):
+                    try:
+                        look()
+                        monitor_ok[0] += 1
+                    except ConcurrentUse:
+                        pass
+                time.sleep(0.0002)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=completer, args=(k,)) for k in (0, 1)]
+    threads.append(threading.Thread(target=monitor))
+    rng = random.Random(44)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(300):
+            tokens = [rng.randrange(2) for _ in range(rng.randint(5, 11))]
+            seq = retry(trie.match, tokens)
+            if seq.restore is not None:
+                try:
+                    retry(trie.restore, seq, empty_state())
+                except CheckpointError:  # withdrawn: its save failed ([R46])
+                    retry(trie.abort, seq)
+                    continue
+            retry(trie.allocate, seq, len(tokens))
+            retry(trie.commit, seq, len(tokens))
+            retry(trie.save, seq, len(tokens) - 1, state(float(len(tokens))))
+            retry(trie.release, seq)
+            retry(trie.poll)
+        deadline = time.monotonic() + 10
+        while monitor_ok[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the scheduler is idle: the monitor's looks succeed
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        sys.setswitchinterval(old)
+    assert errors == []
+    assert sum(reports) > 0 and monitor_ok[0] >= 2
+    trie.poll()  # the reports still recorded
+    copies.complete_all()
+    trie.poll()
+    trie.check()
+    trie.evict(24)
+    trie.evict_checkpoints(4)
+    assert trie.num_free_blocks == 24 and trie.num_free_checkpoint_slots == 4
+    assert trie.stats.copies_failed > 0 and trie.stats.copies_reaped > trie.stats.copies_failed
 
 
 # ------------------------------------------------ 4. runtime state aliasing the pools
