@@ -445,8 +445,9 @@ class BlockTrie:
             toks = token_list(tokens)
             if not toks:
                 raise InvalidArgument("match: tokens must hold at least one token")
-            namespace = namespace_arg(namespace)
-            ext = extra_tuple(extra)  # [R60]: canonical now, so no user code runs below
+            if type(namespace) is not str or not namespace.isascii():
+                namespace = namespace_arg(namespace)  # [R60]: refused unless exactly a str
+            ext = None if extra is None else extra_tuple(extra)  # [R60]: owned from here on
             size = self._block_size
             keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
             root = self._roots.get(namespace)
