@@ -239,38 +239,32 @@ def extra_tuple(extra: object) -> tuple[Identity, ...] | None:
             f"got {type(extra).__name__}"
         )
     items = tuple(extra)
+    _check_identities(items, "extra", 1)
+    return items
+
+
+def _check_identities(items: tuple[object, ...], where: str, depth: int) -> None:
+    """`extra_tuple`'s check of identities `where[0]`, `where[1]`, ... (nested
+    `depth` deep): each an atom, a valid str, or a tuple of identities."""
     atoms = _IDENTITY_ATOMS
     for i, item in enumerate(items):
         kind = type(item)
         if kind in atoms:
             continue
         if kind is str:
-            if not item.isascii():
-                _check_unicode(item, f"extra[{i}]")
+            if not item.isascii():  # type: ignore[attr-defined]
+                _check_unicode(item, f"{where}[{i}]")  # type: ignore[arg-type]
+        elif kind is tuple:
+            if depth > IDENTITY_DEPTH:
+                raise InvalidArgument(
+                    f"{where}[{i}]: identity tuples nest more than {IDENTITY_DEPTH} deep"
+                )
+            _check_identities(item, f"{where}[{i}]", depth + 1)  # type: ignore[arg-type]
         else:
-            _check_identity(item, f"extra[{i}]", 1)
-    return items
-
-
-def _check_identity(value: object, where: str, depth: int) -> None:
-    """`extra_tuple`'s check of one identity that is not an atom: a tuple of
-    identities, else refused."""
-    if type(value) is not tuple:
-        raise InvalidType(
-            f"{where} must be {_IDENTITY_TYPES} (exactly, not a subclass), "
-            f"got {type(value).__name__}: {_safe_repr(value)}"
-        )
-    if depth > IDENTITY_DEPTH:
-        raise InvalidArgument(f"{where}: identity tuples nest more than {IDENTITY_DEPTH} deep")
-    for j, item in enumerate(value):
-        kind = type(item)
-        if kind in _IDENTITY_ATOMS:
-            continue
-        if kind is str:
-            if not item.isascii():
-                _check_unicode(item, f"{where}[{j}]")
-        else:
-            _check_identity(item, f"{where}[{j}]", depth + 1)
+            raise InvalidType(
+                f"{where}[{i}] must be {_IDENTITY_TYPES} (exactly, not a subclass), "
+                f"got {type(item).__name__}: {_safe_repr(item)}"
+            )
 
 
 def _check_unicode(text: str, where: str) -> None:

@@ -32,15 +32,22 @@ from cache import (
     CopyFailed,
     InvalidArgument,
     InvalidType,
-    ManualCopies,
 )
 from cache.checkpoints import CheckpointStore
-from cache.copies import Copy
 from cache.eviction import Evictor
 from spec.model import ReferenceCache
 from tests.helpers import empty_state, frozen, kv_trie, serve, ssm_trie, state
+from tests.test_contract_copies import _FailsOnRun
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks of 4, one token to compute
+
+
+def _prefilled(trie: BlockTrie, tokens: list[int]) -> Any:
+    """match + allocate + commit the whole prompt; the sequence stays live."""
+    seq = trie.match(tokens)
+    trie.allocate(seq, len(tokens))
+    trie.commit(seq, len(tokens))
+    return seq
 
 
 # ------------------------------------------------- 1. user code after validation
@@ -220,9 +227,7 @@ def test_a_failure_reported_from_another_thread_inside_match_waits_for_poll(
     checkpoint is withdrawn, the restore refused) and every count adds up."""
     trie, copies = ssm_trie()
     assert copies is not None
-    seq = trie.match([1, 1, 1, 1, 2])
-    trie.allocate(seq, 5)
-    trie.commit(seq, 5)
+    seq = _prefilled(trie, [1, 1, 1, 1, 2])
     save = trie.save(seq, 4, state(1.0))
     assert save is not None
     trie.release(seq)
@@ -277,9 +282,7 @@ def test_a_completion_from_the_owning_thread_applies_at_once_and_from_another_at
     another thread's report waits for the owner's next `poll()`, which reaps it."""
     trie, copies = ssm_trie()
     assert copies is not None
-    seq = trie.match([1, 1, 1, 1, 2])
-    trie.allocate(seq, 5)
-    trie.commit(seq, 5)
+    seq = _prefilled(trie, [1, 1, 1, 1, 2])
     first = trie.save(seq, 4, state(1.0))
     assert first is not None
     assert _in_thread(lambda: copies.complete(first)) is None
@@ -392,20 +395,12 @@ def test_a_restore_into_another_checkpoints_slot_is_refused_and_that_checkpoint_
     another's slot: the next request restoring that one got the wrong state."""
     trie, copies = ssm_trie()
     assert copies is not None
-    seq = trie.match([1, 1, 1, 1, 2])
-    trie.allocate(seq, 5)
-    trie.commit(seq, 5)
-    trie.save(seq, 4, state(7.0))
-    copies.complete_all()
-    trie.poll()
-    trie.release(seq)
-    other = trie.match([3, 3, 3, 3, 4])
-    trie.allocate(other, 5)
-    trie.commit(other, 5)
-    trie.save(other, 4, state(9.0))
-    copies.complete_all()
-    trie.poll()
-    trie.release(other)
+    for prompt, value in (([1, 1, 1, 1, 2], 7.0), ([3, 3, 3, 3, 4], 9.0)):
+        seq = _prefilled(trie, prompt)
+        trie.save(seq, 4, state(value))
+        copies.complete_all()
+        trie.poll()
+        trie.release(seq)
     hit = trie.match([1, 1, 1, 1, 5])
     assert hit.restore is not None
     mine = hit.restore.checkpoint.serial
@@ -435,9 +430,7 @@ def test_disjoint_views_of_one_engine_buffer_are_fine_targets() -> None:
     """[R63] compares the bytes each tensor spans, not whole storages: an engine
     that keeps every state of a request in one buffer restores into its views."""
     trie, _ = ssm_trie(manual=False)
-    seq = trie.match([1, 1, 1, 1, 2])
-    trie.allocate(seq, 5)
-    trie.commit(seq, 5)
+    seq = _prefilled(trie, [1, 1, 1, 1, 2])
     trie.save(seq, 4, state(3.0))
     trie.release(seq)
     buffer = torch.zeros(9, dtype=torch.float64)
@@ -453,37 +446,16 @@ def test_disjoint_views_of_one_engine_buffer_are_fine_targets() -> None:
 # ------------------------------------------------ 6. a copy failed inside its own run
 
 
-class _FailsItself:
-    """A move that, while it runs, has the engine declare its copy failed (as an
-    engine does when it sees the transfer go wrong before it returns)."""
-
-    def __init__(self, copies: ManualCopies) -> None:
-        self.copies = copies
-        self.copy: Copy | None = None
-
-    def run(self) -> None:
-        assert self.copy is not None
-        self.copies.fail(self.copy)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return ()
-
-    def release(self) -> None:
-        pass
-
-
 def test_complete_of_a_copy_failed_inside_its_own_run_raises_copy_failed() -> None:
     """It raised `IllegalTransition` (finish from `failed`) before: now `CopyFailed`,
     the copy is failed, its checkpoint withdrawn, and poll reaps it as failed."""
     trie, copies = ssm_trie()
     assert copies is not None
-    seq = trie.match([1, 1, 1, 1, 2])
-    trie.allocate(seq, 5)
-    trie.commit(seq, 5)
+    seq = _prefilled(trie, [1, 1, 1, 1, 2])
     copy = trie.save(seq, 4, state(1.0))
     assert copy is not None
-    move = _FailsItself(copies)
-    move.copy = copy
+    move = _FailsOnRun(copies)  # declares `copy` itself failed while it runs
+    move.victim = copy
     copy.moves.append(move)
     with pytest.raises(CopyFailed, match="failed while it ran"):
         copies.complete(copy)
