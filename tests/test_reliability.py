@@ -218,6 +218,12 @@ def _in_thread(call: Callable[[], object]) -> BaseException | None:
     return raised[0] if raised else None
 
 
+def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
 def test_a_failure_reported_from_another_thread_inside_match_waits_for_poll(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -353,7 +359,10 @@ def test_completions_and_failures_hammered_from_three_threads_keep_every_invaria
     try:
         for thread in threads:
             thread.start()
-        for _ in range(300):
+        for step in range(300):
+            if step % 10 == 0 and copies.pending():  # let the other threads in, whatever the load
+                seen = sum(reports)
+                _wait_until(lambda: sum(reports) > seen)  # noqa: B023 - read while it waits
             tokens = [rng.randrange(2) for _ in range(rng.randint(5, 11))]
             seq = retry(trie.match, tokens)
             if seq.restore is not None:
@@ -367,9 +376,7 @@ def test_completions_and_failures_hammered_from_three_threads_keep_every_invaria
             retry(trie.save, seq, len(tokens) - 1, state(float(len(tokens))))
             retry(trie.release, seq)
             retry(trie.poll)
-        deadline = time.monotonic() + 10
-        while monitor_ok[0] < 2 and time.monotonic() < deadline:
-            time.sleep(0.001)  # the scheduler is idle: the monitor's looks succeed
+        _wait_until(lambda: monitor_ok[0] >= 2)  # the scheduler is idle: the looks succeed
     finally:
         stop.set()
         for thread in threads:
