@@ -18,10 +18,10 @@ of changing is ever changed under it:
   owning thread is completing (a move that reports its own copy failed), it is
   applied at once: nothing else is half-done there.
 - Recorded reports are applied by the owning thread, in the order they were
-  made, at its next `poll()` (before it reaps, so that poll reaps them) or its
-  next report. Each acts as the call would have at that moment; a report that
-  no longer applies (a failure of a copy that has finished since, a completion
-  of one that has failed) is dropped.
+  made, at its next `poll()` (before it reaps, so that poll reaps them), its
+  next `Copy.wait()` or its next report. Each acts as the call would have at
+  that moment; a report that no longer applies (a failure of a copy that has
+  finished since, a completion of one that has failed) is dropped.
 
 The owning thread is the one that built the trie, and then the last one to
 call `poll()` (reaping is the scheduler's call).
@@ -77,6 +77,20 @@ class CompletionQueue:
                 self._records.append(report)
                 raise
             report(False)
+        finally:
+            gate.release()
+
+    def flush(self) -> None:
+        """Apply the recorded reports now, when the calling thread is the owner and
+        nothing holds the trie (`Copy.wait()`: a failure reported before the wait
+        is seen by it)."""
+        if not self._records or self._nested or threading.get_ident() != self._owner:
+            return
+        gate = self._gate
+        if not gate.acquire(False):
+            return
+        try:
+            self._apply()
         finally:
             gate.release()
 

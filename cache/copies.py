@@ -193,10 +193,16 @@ class Copy:
     def wait(self) -> None:
         """Order the caller's later work after this copy (see class docstring).
 
-        Raises `CopyFailed` when the copy failed: its data never arrived.
+        Raises `CopyFailed` when the copy failed: its data never arrived. On the
+        trie's owning thread it first applies the completions and failures
+        other threads reported ([R61]), so a failure reported before the wait
+        is seen by it.
         """
-        if not self.failed and self._engine is not None:
-            self._engine.wait(self)
+        engine = self._engine
+        if engine is not None and engine._completions is not None:
+            engine._completions.flush()
+        if not self.failed and engine is not None:
+            engine.wait(self)
         if self.failed:
             raise CopyFailed(f"{self!r} failed: its data never arrived")
 

@@ -285,7 +285,8 @@ def test_check_and_snapshot_from_a_monitor_thread_mid_operation_are_refused(
 
 def test_a_completion_from_the_owning_thread_applies_at_once_and_from_another_at_poll() -> None:
     """The owning thread keeps today's behaviour (the data moves when it says so);
-    another thread's report waits for the owner's next `poll()`, which reaps it."""
+    another thread's report waits for the owner's next `poll()`, which reaps it,
+    or its next `Copy.wait()`."""
     trie, copies = ssm_trie()
     assert copies is not None
     seq = _prefilled(trie, [1, 1, 1, 1, 2])
@@ -294,6 +295,12 @@ def test_a_completion_from_the_owning_thread_applies_at_once_and_from_another_at
     assert _in_thread(lambda: copies.complete(first)) is None
     assert first.state == "queued" and not first.done
     assert trie.poll() == 1 and first.state == "reaped"
+    third = trie.save(seq, 3, state(3.0))
+    assert third is not None
+    assert _in_thread(lambda: copies.fail(third)) is None
+    with pytest.raises(CopyFailed):  # the owner's wait applies the report first
+        third.wait()
+    assert trie.poll() == 1 and third.failed
     second = trie.save(seq, 5, state(2.0))
     assert second is not None
     copies.complete(second)
