@@ -335,9 +335,10 @@ class CopyEngine:
 class SideStream:
     """The CUDA side stream `DeviceCopies` queues copies on, and how it waits.
 
-    A class of its own so that what happens around a queued copy can be driven
-    on a CPU-only machine: a test stands in for it with a stream that defers
-    the moves it is given (tests/test_reliability.py).
+    A class of its own so that the window between queuing a copy's moves and
+    recording its event is one method, which `DeviceCopies` guards ([R62]);
+    tests/test_contract_copies.py drives it on a CPU-only machine through a
+    fake CUDA runtime whose stream defers what it is given.
     """
 
     def __init__(self, device: torch.device) -> None:
