@@ -65,7 +65,6 @@ class CheckpointSlotPool:
         "_free",
         "_held",
         "capacity",
-        "dtype",
         "name",
         "shapes",
         "tensors",
@@ -84,8 +83,6 @@ class CheckpointSlotPool:
     ) -> None:
         self.capacity = num_slots
         self.shapes = dict(shapes)
-        self.dtype = dtype
-        """The dtype of every state tensor in the pool."""
         self.name = name
         self._fault_point = "slots.take" if name == "checkpoint pool" else "host_slots.take"
         self.tensors: dict[str, torch.Tensor] = (
@@ -191,10 +188,11 @@ class CheckpointSlotPool:
                 raise InvalidArgument(
                     f"runtime_state[{name!r}] requires grad; a restore cannot write into it"
                 )
-            if tensor.is_complex() != self.dtype.is_complex:  # [R63]
+            pool = self.tensors.get(name)
+            if pool is not None and tensor.is_complex() != pool.is_complex():  # [R63]
                 raise InvalidArgument(
                     f"runtime_state[{name!r}] is {tensor.dtype} and the {self.name} holds "
-                    f"{self.dtype}: complex and real states do not convert (an imaginary "
+                    f"{pool.dtype}: complex and real states do not convert (an imaginary "
                     "part would be dropped)"
                 )
             out[name] = tensor
