@@ -66,6 +66,7 @@ class CheckpointSlotPool:
         "_held",
         "capacity",
         "name",
+        "pool_spans",
         "shapes",
         "tensors",
     )
@@ -83,6 +84,9 @@ class CheckpointSlotPool:
     ) -> None:
         self.capacity = num_slots
         self.shapes = dict(shapes)
+        self.pool_spans: list[StorageSpan] = []
+        """The storage of every pool of the cache this pool serves (its owner sets
+        it): what no runtime tensor may overlap ([R63])."""
         self.name = name
         self._fault_point = "slots.take" if name == "checkpoint pool" else "host_slots.take"
         self.tensors: dict[str, torch.Tensor] = (
@@ -129,10 +133,7 @@ class CheckpointSlotPool:
         return {name: t[slot] for name, t in self.tensors.items()}
 
     def check_runtime(
-        self,
-        runtime_state: object,
-        written: bool = False,
-        pools: Iterable[StorageSpan] = (),
+        self, runtime_state: object, written: bool = False
     ) -> dict[str, torch.Tensor]:
         """Validate an engine's runtime state for one sequence; returns it as a dict.
 
@@ -140,7 +141,7 @@ class CheckpointSlotPool:
         configured shapes, dense (strided), on a real device (dtype and device
         may differ from the pool's: copies convert, but complex and real never
         mix, [R63]: the imaginary part would be dropped). No tensor may
-        overlap the storage of one of `pools` (the cache's own pools: a
+        overlap the storage of one of `pool_spans` (the cache's own pools: a
         runtime view of a checkpoint slot or a KV block would be read or
         overwritten behind its owner's back, [R63]). Tensors a restore writes
         (`written`) must not require grad, nor overlap themselves (an
@@ -196,7 +197,7 @@ class CheckpointSlotPool:
                     "part would be dropped)"
                 )
             out[name] = tensor
-        self._check_overlaps(out, written, pools)
+        self._check_overlaps(out, written, self.pool_spans)
         return out
 
     @staticmethod

@@ -169,7 +169,7 @@ class BlockTrie:
                 "(host) checkpoint slots "
                 f"({config.state_bytes_per_slot()} B each) on {self.device}: {exc}"
             ) from None
-        self._pool_spans = storage_spans(  # what no runtime state may overlap ([R63])
+        self._slots.pool_spans = storage_spans(  # what no runtime state may overlap ([R63])
             [
                 ("KV pool", self._kv.tensor),
                 *((f"checkpoint pool {n!r}", t) for n, t in self._slots.tensors.items()),
