@@ -70,8 +70,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TESTED_VERSIONS = "transformers 5.25"
-"""The ``transformers`` releases this module was checked against."""
+TESTED_VERSIONS = ("5.23.0", "5.25.0")
+"""The ``transformers`` releases this module was checked against (the ``hf`` extra
+allows ``>=5.23,<6``)."""
+
+_CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
+"""The names a forward's cache object goes by (newest first)."""
 
 PROBE_TOKENS = 16
 """Tokens of the construction probes (a prefix, then its continuation)."""
@@ -251,9 +255,19 @@ class HFModel:
         self.device = params[0].device if params else torch.device("cpu")
         self.dtype: torch.dtype = model.dtype
         self.vocab_size = int(lm.get_output_embeddings().weight.shape[0])
+        keywords = inspect.signature(lm.forward).parameters
         # transformers 5.25: `position_ids` is a keyword of every hybrid model's forward
         # except the pure SSMs (Mamba, Mamba2), which have no positions.
-        self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self._takes_positions = "position_ids" in keywords
+        # transformers 5.25 passes the cache object as `cache=`; 5.23 as
+        # `past_key_values=` (`cache_params=` for the pure SSMs). The output field has
+        # the same name.
+        names = [name for name in _CACHE_KEYWORDS if name in keywords]
+        if not names:
+            raise UnsupportedModel(
+                f"{self.name}: its forward takes no cache object (none of {_CACHE_KEYWORDS})"
+            )
+        self._cache_keyword = names[0]
         self.tolerance = default_tolerance(self.dtype) if tolerance is None else tolerance
         gen = torch.Generator().manual_seed(0)
         probe = torch.randint(0, self.vocab_size, (PROBE_TOKENS,), generator=gen).tolist()
@@ -285,8 +299,8 @@ class HFModel:
                 start, start + len(tokens), device=self.device
             ).unsqueeze(0)
         with torch.no_grad():
-            # transformers 5.25: the cache goes in as `cache=` (earlier 5.x: past_key_values=).
-            out = self.model(input_ids=ids, cache=cache, use_cache=True, **kwargs)
+            kwargs[self._cache_keyword] = cache
+            out = self.model(input_ids=ids, use_cache=True, **kwargs)
         logits: torch.Tensor = out.logits[0]
         return logits
 
@@ -297,10 +311,7 @@ class HFModel:
         if self._takes_positions:
             kwargs["position_ids"] = torch.arange(len(tokens), device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, use_cache=True, **kwargs)
-        # transformers 5.25: the output's cache is `out.cache` (earlier: past_key_values).
-        cache = getattr(out, "cache", None)
-        if cache is None:
-            cache = getattr(out, "past_key_values", None)
+        cache = getattr(out, self._cache_keyword, None)
         if cache is None or not isinstance(getattr(cache, "layers", None), list):
             raise UnsupportedModel(
                 f"{self.name}: a forward with use_cache=True returned no transformers Cache "
@@ -419,10 +430,12 @@ class HFModel:
             layer = cache.layers[slot.layer]
             # transformers 5.25: a layer with has_previous_state False treats the next
             # forward as a prefill (ignoring its conv state); the token count of a
-            # linear-attention layer is `cumulative_length_linear` (a 0-d tensor).
+            # linear-attention layer is `cumulative_length_linear` (a 0-d tensor; 5.23
+            # keeps none).
             layer.has_previous_state[slot.index] = True
-            if slot.layer not in done:
-                layer.cumulative_length_linear.fill_(num_tokens)
+            count = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(count, torch.Tensor) and slot.layer not in done:
+                count.fill_(num_tokens)
                 done.add(slot.layer)
 
     def read_kv(self, cache: Any, start: int, end: int) -> torch.Tensor:
