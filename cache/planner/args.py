@@ -12,6 +12,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, NoReturn
 
+from cache.integrations.transformers.tiny import TINY_CONFIGS
 from cache.planner.execute import EXECUTORS
 from cache.planner.policy import DEFAULT_POLICY, POLICY_NAMES, CheckpointPolicy
 from cache.planner.traces import FORMATS
@@ -495,6 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     dm.add_argument("--seed", type=_seed, default=0, help="model weights and chat seed")
+    dm.add_argument(
+        "--model",
+        choices=sorted(TINY_CONFIGS),
+        default=None,
+        help="serve a tiny random-weight Hugging Face model of this architecture instead "
+        "(needs the hf extra: pip install 'blocktrie[hf]')",
+    )
     return parser
 
 

@@ -488,7 +488,19 @@ class _RunError(Exception):
 def _cmd_demo(args: argparse.Namespace) -> int:
     from cache.planner import demo  # torch and the test kit: only this subcommand needs them
 
-    result = demo.run_demo(seed=args.seed)
+    if args.model is None:
+        result = demo.run_demo(seed=args.seed)
+    else:
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            raise _RunError(
+                f"--model {args.model} needs the hf extra: pip install 'blocktrie[hf]'"
+            ) from None
+        torch.set_num_threads(1)  # tiny models: more threads only contend
+        transformers.logging.set_verbosity_error()  # not its kernel-fallback notices
+        result = demo.run_hf_demo(args.model, seed=args.seed)
     print(demo.format_demo(result))
     return 0 if result.identical else 1
 

@@ -1,5 +1,8 @@
 """Tiny random-weight ``transformers`` hybrid models, for tests and ``blocktrie demo``.
 
+Imports neither torch nor transformers until a model is built (the CLI's
+parser reads `TINY_CONFIGS`).
+
 Each is built from a config (no hub access): hidden size <= 64, <= 4 layers,
 vocabulary of `VOCAB_SIZE`, and both kinds of layer (attention and SSM /
 linear attention) wherever the architecture has them. The weights depend only
@@ -9,11 +12,12 @@ on ``seed``. These configs are for building models; nothing in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["TINY_CONFIGS", "VOCAB_SIZE", "tiny_model"]
+__all__ = ["TINY_CONFIGS", "VOCAB_SIZE", "random_model", "tiny_model"]
 
 VOCAB_SIZE = 128
 
@@ -123,9 +127,10 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 """``model_type`` -> config fields of its tiny model (`VOCAB_SIZE` is added)."""
 
 
-def tiny_model(name: str, *, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
+def tiny_model(name: str, *, dtype: torch.dtype | None = None, seed: int = 0) -> Any:
     """The tiny random-weight causal LM of architecture ``name`` (a key of `TINY_CONFIGS`),
-    in eval mode on the CPU; its generation config has no end-of-sequence token."""
+    in ``dtype`` (default float64), eval mode, on the CPU; its generation config has no
+    end-of-sequence token."""
     if name not in TINY_CONFIGS:
         raise ValueError(
             f"tiny_model: unknown architecture {name!r}; one of {sorted(TINY_CONFIGS)}"
@@ -134,10 +139,12 @@ def tiny_model(name: str, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
 
 
 def random_model(
-    model_type: str, fields: dict[str, Any], *, dtype: torch.dtype = torch.float64, seed: int = 0
+    model_type: str, fields: dict[str, Any], *, dtype: torch.dtype | None = None, seed: int = 0
 ) -> Any:
     """A random-weight causal LM of ``model_type`` built from ``fields`` (plus a
-    `VOCAB_SIZE` vocabulary and no special tokens), in eval mode on the CPU."""
+    `VOCAB_SIZE` vocabulary and no special tokens), in ``dtype`` (default float64),
+    eval mode, on the CPU."""
+    import torch
     import transformers
 
     config = transformers.AutoConfig.for_model(
@@ -152,7 +159,11 @@ def random_model(
         torch.manual_seed(seed)
         # Eager experts: the grouped_mm MoE kernel refuses float64 on the CPU.
         auto: Any = transformers.AutoModelForCausalLM
-        model = auto.from_config(config, dtype=dtype, experts_implementation="eager")
+        model = auto.from_config(
+            config,
+            dtype=torch.float64 if dtype is None else dtype,
+            experts_implementation="eager",
+        )
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model.eval()
