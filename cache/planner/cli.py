@@ -499,7 +499,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 f"--model {args.model} needs the hf extra: pip install 'blocktrie[hf]'"
             ) from None
         torch.set_num_threads(1)  # tiny models: more threads only contend
-        transformers.logging.set_verbosity_error()  # not its kernel-fallback notices
+        hf_logging: Any = transformers.logging
+        hf_logging.set_verbosity_error()  # not its kernel-fallback notices
         result = demo.run_hf_demo(args.model, seed=args.seed)
     print(demo.format_demo(result))
     return 0 if result.identical else 1

@@ -278,9 +278,12 @@ class HFEngine:
             except OutOfBlocks:
                 self._reclaim(run, f"{end} tokens")
         # A save copy may still read the state (and the partial block's KV) that this
-        # forward overwrites: order this work after it.
+        # forward overwrites: order this work after it. Reaping the finished copies
+        # releases their producer pins, so a later save may replace their checkpoint.
         for copy in run.copies:
             copy.wait()
+        run.copies.clear()
+        self.trie.poll()
         logits = self.hf.forward(run.cache, run.tokens[start:end], start)
         if self.kv is not None:
             self._scatter(seq.block_ids, start, self.hf.read_kv(run.cache, start, end))
