@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import random
+import re
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -417,3 +418,23 @@ def test_demo_without_transformers_says_which_extra(
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert main(["demo", "--model", "bamba"]) == 1
     assert "needs the hf extra" in capsys.readouterr().err
+
+
+def test_the_docs_examples_run() -> None:
+    """docs/transformers.md's code blocks run as written (their asserts included), and
+    the hand-written engine there serves what `model.generate` would."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "transformers.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        namespace: dict[str, Any] = {}
+        exec(compile(code, "docs/transformers.md", "exec"), namespace)
+    serve = namespace["serve"]
+    model = namespace["model"]
+    prompt = list(range(50, 80))
+    generated, _ = serve(prompt, NEW_TOKENS)
+    ids = torch.tensor([prompt])
+    want = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt) :]
+    assert generated == want.tolist()
