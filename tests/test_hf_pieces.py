@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,7 +45,7 @@ def test_pieces_cover_the_prefill_in_order(
     end = start + length
     pieces = plan_pieces(start, end, cuts, multi_token_continuation=multi, one_token_pieces=one)
     assert pieces[0][0] == start and pieces[-1][1] == end
-    for (_, e), (s, _) in zip(pieces, pieces[1:], strict=False):
+    for (_, e), (s, _) in itertools.pairwise(pieces):
         assert e == s
     ends = {e for _, e in pieces}
     assert all(s < e for s, e in pieces)
