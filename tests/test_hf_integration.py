@@ -361,8 +361,10 @@ def test_eviction_under_memory_pressure_keeps_outputs_cold_equal() -> None:
         serve_and_compare(engine, model, draw(rng, rng.randint(20, 40)))
     stats = engine.trie.stats
     assert stats.evicted_blocks > 0
+    queries = stats.queries
     with pytest.raises(EngineCapacityError, match="no room"):
         engine.generate(draw(rng, 10 * BLOCK + 1), max_new_tokens=2)
+    assert stats.queries == queries + 1  # released: its first pieces ran and stay cached
     engine.trie.check()
     assert engine.trie.num_free_blocks + engine.trie.num_cached_blocks == 10
 

@@ -176,8 +176,10 @@ class HFEngine:
         finally:
             for copy in run.copies:
                 copy.wait()  # nothing may still read or write the cache object we drop
-            if seq.live:
-                self.trie.release(seq)
+            if seq.live and run.forwards == 0:
+                self.trie.abort(seq)  # failed before any work: as if never matched
+            elif seq.live:
+                self.trie.release(seq)  # what it committed stays cached
             self.trie.poll()
         if self.check:
             self.trie.check()
