@@ -244,6 +244,12 @@ def test_not_a_transformers_model_is_a_type_error() -> None:
         HFModel(torch.nn.Linear(2, 2))
 
 
+def test_a_model_in_training_mode_is_refused() -> None:
+    model = tiny_model("falcon_h1").train()
+    with pytest.raises(ValueError, match=r"training mode .* model\.eval\(\)"):
+        HFModel(model)
+
+
 @pytest.mark.parametrize(
     ("name", "multi_token", "one_token_pieces"),
     [

@@ -175,19 +175,30 @@ class ModelLayout:
 
 @dataclass(frozen=True)
 class Traps:
-    """What the construction probes found (max absolute logit differences vs one forward).
+    """What the construction probes found.
 
-    - ``multi_token_continuation``: a multi-token forward continues exactly
-      from a restored cache. When False, the engine continues one token at a
-      time after any state.
+    The probes run `PROBE_TOKENS` random tokens once in one forward, then in
+    pieces cut at `PROBE_SPLIT`; the ``*_diff`` fields are the largest
+    absolute logit differences from the one forward.
+
+    - ``multi_token_continuation``: a multi-token forward continues from a
+      restored cache as well as one token at a time does. False when
+      ``restored_diff`` is over ten times ``restored_one_token_diff`` and over
+      the dtype's rounding (1000 eps at the logits' scale); the engine then
+      continues one token at a time after any state.
     - ``one_token_pieces``: a 1-token piece in a prefill leaves the numerics
-      as they are. When False, the engine never cuts one.
+      as a cut into pieces of 2+ tokens does. False when
+      ``one_token_piece_diff`` is over ten times ``split_diff`` and over the
+      rounding; the engine then never cuts one.
+
+    `HFModel` refuses a model for which neither way of continuing is within
+    ``tolerance``.
     """
 
     multi_token_continuation: bool
     one_token_pieces: bool
     tolerance: float
-    """The largest difference the probes accept as rounding."""
+    """The largest difference a continuation may show (`default_tolerance`)."""
     split_diff: float
     """A prefill cut in two pieces, same cache object."""
     restored_diff: float
@@ -248,6 +259,11 @@ class HFModel:
             raise TypeError(
                 f"HFModel: expected a transformers PreTrainedModel, got {type(model).__name__}"
             )
+        if model.training:
+            raise ValueError(
+                f"HFModel: {type(model).__name__} is in training mode (dropout would make "
+                "every forward differ); call model.eval() first"
+            )
         lm: Any = model  # transformers is untyped to mypy
         self.model = lm
         self.name = type(model).__name__
@@ -292,25 +308,21 @@ class HFModel:
 
         ``cache`` must hold exactly the first ``start`` positions.
         """
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        kwargs: dict[str, Any] = {}
-        if self._takes_positions:
-            kwargs["position_ids"] = torch.arange(
-                start, start + len(tokens), device=self.device
-            ).unsqueeze(0)
-        with torch.no_grad():
-            kwargs[self._cache_keyword] = cache
-            out = self.model(input_ids=ids, use_cache=True, **kwargs)
-        logits: torch.Tensor = out.logits[0]
+        logits: torch.Tensor = self._run(cache, tokens, start).logits[0]
         return logits
+
+    def _run(self, cache: Any, tokens: Sequence[int], start: int) -> Any:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {self._cache_keyword: cache}
+        if self._takes_positions:
+            positions = torch.arange(start, start + len(tokens), device=self.device)
+            kwargs["position_ids"] = positions.unsqueeze(0)
+        with torch.no_grad():
+            return self.model(input_ids=ids, use_cache=True, **kwargs)
 
     def _forward_new(self, tokens: Sequence[int]) -> tuple[torch.Tensor, Any]:
         """One forward from nothing, letting the model build its own cache object."""
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        kwargs: dict[str, Any] = {}
-        if self._takes_positions:
-            kwargs["position_ids"] = torch.arange(len(tokens), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, use_cache=True, **kwargs)
+        out = self._run(None, tokens, 0)
         cache = getattr(out, self._cache_keyword, None)
         if cache is None or not isinstance(getattr(cache, "layers", None), list):
             raise UnsupportedModel(
