@@ -416,18 +416,6 @@ def test_demo_with_a_hugging_face_model(capsys: pytest.CaptureFixture[str]) -> N
     assert "hit rate:" in out and "tokens saved:" in out
 
 
-def test_demo_without_transformers_says_which_extra(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import sys
-
-    from cache.planner.cli import main
-
-    monkeypatch.setitem(sys.modules, "transformers", None)
-    assert main(["demo", "--model", "bamba"]) == 1
-    assert "needs the hf extra" in capsys.readouterr().err
-
-
 def test_the_docs_examples_run() -> None:
     """docs/transformers.md's code blocks run as written (their asserts included), and
     the hand-written engine there serves what `model.generate` would."""

@@ -1,4 +1,5 @@
-"""`plan_pieces`: how `HFEngine` cuts a prefill into forward calls (no transformers needed)."""
+"""The parts of the Hugging Face integration that need no transformers: `plan_pieces` (how
+`HFEngine` cuts a prefill into forward calls) and the CLI's refusal without the extra."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache.integrations.transformers.engine import plan_pieces
+from tests.helpers import python_without
 
 
 def test_pieces_end_at_every_cut_and_at_the_end() -> None:
@@ -57,3 +59,31 @@ def test_pieces_cover_the_prefill_in_order(
         assert all(e - s >= 2 for s, e in pieces) or pieces == [(start, end)]
     else:
         assert {c for c in cuts if start < c < end} <= ends
+
+
+def test_demo_model_without_transformers_names_the_extra() -> None:
+    code = (
+        "import sys\n"
+        "from cache.planner.cli import main\n"
+        "sys.exit(main(['demo', '--model', 'bamba']))\n"
+    )
+    proc = python_without(["transformers"], code)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("blocktrie demo: error: --model needs transformers")
+    assert proc.stderr.rstrip().endswith("pip install 'blocktrie[hf]'")
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_adapter_without_transformers_names_the_extra() -> None:
+    code = (
+        "import torch\n"
+        "from cache.integrations.transformers import HFModel\n"
+        "try:\n"
+        "    HFModel(torch.nn.Linear(2, 2))\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    proc = python_without(["transformers"], code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("MissingExtra ")
+    assert proc.stdout.rstrip().endswith("pip install 'blocktrie[hf]'")

@@ -491,13 +491,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.model is None:
         result = demo.run_demo(seed=args.seed)
     else:
-        try:
-            import torch
-            import transformers
-        except ImportError:
-            raise _RunError(
-                f"--model {args.model} needs the hf extra: pip install 'blocktrie[hf]'"
-            ) from None
+        if importlib.util.find_spec("transformers") is None:
+            raise UsageError("--model needs transformers: pip install 'blocktrie[hf]'")
+        import torch
+        import transformers
+
         torch.set_num_threads(1)  # tiny models: more threads only contend
         hf_logging: Any = transformers.logging
         hf_logging.set_verbosity_error()  # not its kernel-fallback notices

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from cache.config import CacheConfig
+from cache.extras import requires_extra
 
 __all__ = [
     "AttentionSlot",
@@ -248,12 +249,8 @@ class HFModel:
     """
 
     def __init__(self, model: Any, *, tolerance: float | None = None) -> None:
-        try:
+        with requires_extra("hf", "cache.integrations.transformers"):
             import transformers
-        except ImportError as exc:  # pragma: no cover - the `hf` extra is missing
-            raise ImportError(
-                "cache.integrations.transformers needs the hf extra: pip install 'blocktrie[hf]'"
-            ) from exc
 
         if not isinstance(model, transformers.PreTrainedModel):
             raise TypeError(

@@ -145,7 +145,11 @@ def random_model(
     `VOCAB_SIZE` vocabulary and no special tokens), in ``dtype`` (default float64),
     eval mode, on the CPU."""
     import torch
-    import transformers
+
+    from cache.extras import requires_extra
+
+    with requires_extra("hf", "cache.integrations.transformers.tiny"):
+        import transformers
 
     config = transformers.AutoConfig.for_model(
         model_type,
