@@ -67,10 +67,11 @@ def plan_pieces(
     """
     bounds = sorted({c for c in cuts if start < c < end})
     if not multi_token_continuation:
-        first = bounds[0] if bounds and start == 0 else (end if start == 0 else start + 1)
-        pieces = [(start, first)]
-        pieces += [(p, p + 1) for p in range(first, end)]
-        return pieces
+        if start > 0:
+            first = start + 1
+        else:  # from an empty state a multi-token forward is exact: up to the first cut
+            first = bounds[0] if bounds else end
+        return [(start, first), *((p, p + 1) for p in range(first, end))]
     if not one_token_pieces:
         kept: list[int] = []
         for c in bounds:
@@ -157,7 +158,11 @@ class HFEngine:
 
         ``prompt_ids``: a sequence of ints or a 1-D (or ``[1, n]``) tensor. Stops
         early after an end-of-sequence token of the model's generation config,
-        as ``model.generate`` does.
+        as ``model.generate`` does. Raises `ValueError` / `TypeError` for a bad
+        request (before matching) and `EngineCapacityError` when the request
+        does not fit. A request that fails before its first forward is aborted
+        (the trie's statistics are as before); one that fails later is
+        released (what it committed stays cached).
         """
         prompt = _token_list(prompt_ids)
         if not prompt:
