@@ -1,12 +1,13 @@
 """`HFModel`: a Hugging Face ``transformers`` model seen the way blocktrie stores it.
 
 Every use of ``transformers`` internals in blocktrie lives in this module; each
-spot says the version it was checked against (``transformers 5.25``). What it
-relies on, all of it discovered from the model at construction, never from a
-per-architecture table:
+spot says the version it was checked against (``transformers 5.25``, and 5.23
+where the two differ; `TESTED_VERSIONS`). What it relies on, all of it
+discovered from the model at construction, never from a per-architecture table:
 
 - ``model(input_ids=..., cache=..., use_cache=True[, position_ids=...])``
-  returns the logits and the cache object (``out.cache``), a
+  returns the logits and the cache object (``out.cache``; the keyword and the
+  field are ``past_key_values`` or ``cache_params`` in 5.23), a
   ``transformers.Cache`` whose ``layers`` hold, per decoder layer, any of:
   attention KV (``layer.keys`` / ``layer.values``, ``[batch, heads, tokens,
   head_dim]``, grown by ``layer.update(keys, values)``), and linear-attention
