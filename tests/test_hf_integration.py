@@ -180,6 +180,27 @@ def test_an_architecture_nothing_names_works_unchanged(
     check_hits(engine, conversations(engine, model))
 
 
+def test_an_attention_only_model_is_served_from_kv_blocks() -> None:
+    """No recurrent state: no checkpoint slots, and a hit is the longest full-block prefix."""
+    model = random_model(
+        "llama",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    )
+    engine = new_engine(model)
+    assert engine.trie.config.num_checkpoint_slots == 0 and not engine.hf.layout.states
+    rng = random.Random(19)
+    first = serve_and_compare(engine, model, draw(rng, 21))
+    prompt = first.prompt + first.out.tokens + draw(rng, 5)
+    second = serve_and_compare(engine, model, prompt)
+    assert second.out.num_cached_tokens == 3 * BLOCK  # 24 of the 25 computed positions
+
+
 def test_the_module_names_no_architecture() -> None:
     """No per-architecture table: no model type appears in the adapter's or engine's code
     (their docstrings and comments may tell the traps' history)."""
