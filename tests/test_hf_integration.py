@@ -302,6 +302,22 @@ def test_ignoring_the_continuation_trap_breaks_cached_runs() -> None:
     assert compare_with_cold(model, prompt, out, NEW_TOKENS).max_logit_diff > TOLERANCE
 
 
+def test_position_ids_are_passed_because_bamba_gets_them_wrong_after_an_offset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hf = HFModel(model_of("bamba"))
+    tokens = list(range(3, 19))
+    reference = hf.forward(hf.new_cache(), tokens, 0)
+
+    def continued() -> float:
+        logits = hf.forward(hf._restored(tokens, 7), tokens[7:], 7)
+        return float((logits - reference[7:]).abs().max())
+
+    assert continued() <= TOLERANCE
+    monkeypatch.setattr(hf, "_takes_positions", False)  # let the model pick them
+    assert continued() > 100 * TOLERANCE
+
+
 def test_no_one_token_prefill_piece_where_it_changes_the_numerics(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
