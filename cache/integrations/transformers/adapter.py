@@ -358,7 +358,10 @@ class HFModel:
                         f"{self.name}: cache layer {i} holds keys {tuple(keys.shape)}, values "
                         f"{tuple(values.shape)}; expected [1, heads, tokens, head_dim]"
                     )
-                if keys.shape[2] != num_tokens or values.shape[2] != num_tokens:
+                # transformers 5.25: sliding-window layers say so in `is_sliding`; a
+                # window longer than the probe would otherwise pass the length check.
+                sliding = bool(getattr(layer, "is_sliding", False))
+                if sliding or keys.shape[2] != num_tokens or values.shape[2] != num_tokens:
                     raise UnsupportedModel(
                         f"{self.name}: cache layer {i} ({type(layer).__name__}) holds "
                         f"{keys.shape[2]} positions after {num_tokens} tokens (a sliding "

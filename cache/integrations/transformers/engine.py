@@ -67,10 +67,8 @@ def plan_pieces(
     """
     bounds = sorted({c for c in cuts if start < c < end})
     if not multi_token_continuation:
-        if start > 0:
-            first = start + 1
-        else:  # from an empty state a multi-token forward is exact: up to the first cut
-            first = bounds[0] if bounds else end
+        # From an empty state a multi-token forward is exact: one piece up to the first cut.
+        first = start + 1 if start > 0 else (bounds[0] if bounds else end)
         return [(start, first), *((p, p + 1) for p in range(first, end))]
     if not one_token_pieces:
         kept: list[int] = []
