@@ -248,6 +248,20 @@ def test_state_outside_the_cache_object_is_refused() -> None:
         HFEngine(model, block_size=BLOCK, num_blocks=16, num_checkpoint_slots=4)
 
 
+def test_sliding_window_attention_is_refused() -> None:
+    """A window longer than the probe: the layer's flag tells, not the positions it holds."""
+    fields = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 4096,
+    }
+    with pytest.raises(UnsupportedModel, match="sliding window"):
+        HFModel(random_model("mistral", fields))
+
+
 def test_state_in_model_buffers_is_refused() -> None:
     model = tiny_model("bamba")
     model.register_buffer("seen", torch.zeros((), dtype=torch.long))
