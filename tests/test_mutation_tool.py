@@ -21,6 +21,7 @@ def test_core_paths_are_the_core_modules_and_spec_lifecycle() -> None:
     for excluded in ("cache/cli.py", "cache/replay.py", "cache/workload.py", "cache/demo.py"):
         assert excluded not in paths
     assert not any(p.startswith("cache/testing/") for p in paths)
+    assert not any(p.startswith("cache/integrations/") for p in paths)
 
 
 def test_mutant_glob_names_every_mutant_of_a_file() -> None:
