@@ -520,7 +520,7 @@ def test_a_sweep_that_stops_short_recommends_nothing(mode: list[str]) -> None:
     assert doc["recommended"]["within_1_point"]["capacity"] == 4000
 
 
-def test_jobs_default_is_documented_and_measured() -> None:
+def test_jobs_default_is_documented_and_measured(monkeypatch: Any) -> None:
     done = run_cli_process("replay", "--help", env={**os.environ, "COLUMNS": "200"})
     assert done.code == 0
     text = " ".join(done.out.split())
@@ -532,6 +532,12 @@ def test_jobs_default_is_documented_and_measured() -> None:
     assert default_jobs(6, 60.0, cores=8) == 6
     assert default_jobs(6, 60.0, cores=2) == 2
     assert default_jobs(6, 60.0, cores=1) == 1
+    from cache.planner import execute
+
+    monkeypatch.setattr(execute, "available_cores", lambda: 2)
+    for load, idle in ((0.0, 2), (0.4, 2), (0.6, 1), (1.6, 1), (7.5, 1)):
+        monkeypatch.setattr(execute.os, "getloadavg", lambda load=load: (load, load, load))
+        assert default_jobs(6, 60.0) == idle, load  # the busy machine of issue 43: 1
 
 
 def test_csv_trace_names_the_formats_read(tmp_path: Path) -> None:
