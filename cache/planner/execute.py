@@ -77,10 +77,11 @@ def default_jobs(runs: int, seconds_per_run: float, cores: int | None = None) ->
     run is long enough to repay a worker's start-up (`seconds_per_run` at least
     2 x `WORKER_START_S`); else 1, replaying here without forking.
 
-    Measured on the 2-core development machine while other jobs ran (load 4.6-7.4): a
-    4-run sweep of ``--users 1000`` took 30.9 / 42.7 s with ``--jobs 1`` and 44.6 / 36.9 s
-    with ``--jobs 2``; a 3-capacity ``--ssm`` sweep of the built-in workload 11.4 s and
-    15.5 s. Workers pay off only with idle cores and runs of several seconds."""
+    Measured on the 2-core development machine while other jobs ran (load average
+    4.6-10.4), interleaved: a 4-run sweep of ``--users 1000`` took 30.9 / 42.7 / 52.1 s
+    with ``--jobs 1`` and 44.6 / 36.9 / 58.6 s with ``--jobs 2``; a 6-run ``--ssm`` sweep
+    of the built-in workload 11.4 / 13.3 s and 15.5 / 14.7 s (docs/replay.md). Workers
+    pay off only with idle cores and runs of several seconds."""
     if runs <= 1 or seconds_per_run < 2 * WORKER_START_S:
         return 1
     return max(1, min(runs, idle_cores() if cores is None else cores))

@@ -11,7 +11,7 @@ token is drawn: `synthetic_shape`; or a loaded trace's request lengths and file 
 
 The model, phase by phase (each constant measured on the 2-core shared
 development machine, CPython 3.11, block size 16; ``bench/planner_estimate.py``
-measures them again):
+compares the whole model with measured commands):
 
 - start-up: 16 MiB (the interpreter and the planner's modules); the replay
   imports torch, 220 MiB, once per process that replays.
@@ -31,16 +31,19 @@ measures them again):
   (reference counts touch every page).
 - time: 0.2 us per drawn token to generate, 0.04 us per prompt or decoded
   token to count (25-28M tokens/s measured), 0.08 us per token to replay
-  attention-only and 0.16 us with SSM checkpoints (12-15M and about 6M
-  tokens/s measured), 2 s to start each process that imports torch.
+  attention-only and 0.16 us with SSM checkpoints (12-15M tokens/s measured
+  attention-only; SSM runs replayed half as many requests a second), 2 s to
+  start each process that imports torch.
 
 Distinct blocks are estimated from above (every token drawn or read, over the
 block size, plus one partial block per request), so the estimate errs on the
-large side: within -10 % / +35 % of the measured peak on the calibration runs
-(``--users 1000``: 0.45 GB measured; ``--turns 40``: 0.33 GB; ``--system-tokens
-100k``: 0.33 GB; the Mooncake conversation trace: 0.98 GB). It is a guard
-against orders of magnitude, not a forecast to the megabyte; time is more
-uncertain still (the machine's load changes it twofold).
+large side: 1.01-1.50x the measured peak on the calibration runs of
+``bench/planner_estimate.py`` (``--users 1000``: 393 MiB estimated, 363 MiB
+measured; ``--turns 40``: 357 / 353; ``--jobs 2``: 875 / 624; the Mooncake
+conversation trace: 1,398 / 934). It is a guard against orders of magnitude,
+not a forecast to the megabyte. Time is rougher: the constants above were
+measured at a load average of about 4 on 2 cores; at 10 every command took
+2.5-6x the estimate.
 """
 
 from __future__ import annotations
