@@ -536,7 +536,7 @@ def test_jobs_default_is_documented_and_measured(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(execute, "available_cores", lambda: 2)
     for load, idle in ((0.0, 2), (0.4, 2), (0.6, 1), (1.6, 1), (7.5, 1)):
-        monkeypatch.setattr(execute.os, "getloadavg", lambda load=load: (load, load, load))
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
         assert default_jobs(6, 60.0) == idle, load  # the busy machine of issue 43: 1
 
 
