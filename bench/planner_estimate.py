@@ -2,7 +2,7 @@
 each command runs in a child process (its peak resident set from ``wait4``, its
 wall time), beside the estimate ``blocktrie replay`` makes for it before running.
 
-    python -m bench.planner_estimate [--traces DIR]
+    python -m bench.planner_estimate [--traces-dir DIR]
 
 The figures quoted in `cache.planner.resources` come from this script. Keep the
 machine quiet: wall times change with the load (it is printed).
@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import default_traces_dir
 from cache.planner.args import attach_values, build_parser
 from cache.planner.cli import _synthetic_params, estimate_replay
 from cache.planner.resources import synthetic_shape, trace_shape
@@ -97,7 +98,10 @@ def predict(argv: list[str]) -> tuple[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", type=Path, default=Path(__file__).parents[2] / "shared/traces")
+    ap.add_argument(
+        "--traces-dir", dest="traces", type=Path, default=default_traces_dir(),
+        help="where conversation_trace.jsonl is (default: bench.default_traces_dir)",
+    )  # fmt: skip
     opts = ap.parse_args()
     cases = list(CASES)
     trace = opts.traces / "conversation_trace.jsonl"

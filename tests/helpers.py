@@ -147,10 +147,9 @@ def run_cli_process(
     """``python -m cache.planner ARGV`` run as a user runs it: a child process started
     from the checkout root (so it imports this checkout), stdout and stderr pipes
     (not a terminal)."""
-    root = Path(__file__).resolve().parent.parent
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "cache.planner", *argv], cwd=root, env=env,
+        [sys.executable, "-m", "cache.planner", *argv], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     return Finished(proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
