@@ -127,7 +127,7 @@ def write_plot(path: str, doc: dict[str, Any]) -> None:
         ax.set_ylabel("prompt-token hit rate (%)")
         ax.set_title(f"blocktrie replay: {w['name']}, {w['requests']:,} requests", fontsize=11)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="best")  # away from the points (lower right hid the best)
         fig.tight_layout()
         target = Path(path)
         fd, tmp = tempfile.mkstemp(
