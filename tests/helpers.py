@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,30 @@ def run_cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished `blocktrie` child process: exit code, output, wall time."""
+
+    code: int
+    out: str
+    err: str
+    seconds: float
+
+
+def run_cli_process(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> Finished:
+    """``python -m cache.planner ARGV`` run as a user runs it: a child process started
+    from the checkout root (so it imports this checkout), stdout and stderr pipes
+    (not a terminal)."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cache.planner", *argv], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return Finished(proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
 
 
 class NodeRef:

@@ -247,3 +247,36 @@ def test_demo_fails_when_outputs_differ(
     monkeypatch.setattr(cache.planner.demo, "run_demo", differing)
     code, out, _err = run(capsys, "demo")
     assert code == 1 and "outputs identical to cold runs: no" in out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SyntheticParams(users=200),
+        SyntheticParams(users=200, turns=10),
+        SyntheticParams(users=200, agentic=0.0),
+        SyntheticParams(users=100, agentic=1.0, system_tokens=3000),
+    ],
+)
+def test_estimate_predicts_the_workload_it_refuses(params: SyntheticParams) -> None:
+    """The up-front estimate (issue 43) from the parameters alone agrees with the workload
+    they generate (means: within 25 %), and bounds its distinct blocks from above."""
+    from cache.planner.resources import synthetic_shape, trace_shape
+
+    predicted = synthetic_shape(params, 16)
+    workload = synthetic_workload(params)
+    actual = trace_shape(workload, 16)
+    for field in ("requests", "prompt_tokens", "decode_tokens", "longest_tokens"):
+        ratio = getattr(predicted, field) / getattr(actual, field)
+        assert 0.75 <= ratio <= 1.25, (field, ratio)
+    distinct = count_prefix_hits(workload, 16).unique_blocks
+    assert distinct <= predicted.distinct_blocks <= 1.25 * distinct
+    assert distinct <= actual.distinct_blocks
+
+
+def test_available_memory_is_found() -> None:
+    from cache.planner.resources import available_memory
+
+    found = available_memory()
+    assert found is not None  # Linux: /proc/meminfo
+    assert found[0] > 0 and found[1]

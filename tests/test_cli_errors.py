@@ -19,7 +19,7 @@ import pytest
 from cache.planner import cli
 from cache.planner.cli import main
 from cache.planner.report import RUN_KEYS, TIMING_KEYS, WORKLOAD_KEYS, render_text
-from tests.helpers import SMALL_WORKLOAD, run_cli
+from tests.helpers import SMALL_WORKLOAD, run_cli, run_cli_process
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -194,8 +194,10 @@ def _check_schema(doc: dict[str, Any]) -> None:
     for row in doc["runs"]:
         assert tuple(row) == RUN_KEYS
     rec = doc["recommended"]
-    assert list(rec) == ["ceiling", "among", "within_1_point", "within_99_percent"]
-    for key in ("within_1_point", "within_99_percent"):
+    assert list(rec) == [
+        "ceiling", "among", "within_1_point", "within_99_percent", "reached", "best"
+    ]  # fmt: skip
+    for key in ("within_1_point", "within_99_percent", "best"):
         if rec[key] is not None:
             assert list(rec[key]) == [
                 "run", "capacity", "policy", "state_slots", "kv_bytes", "state_bytes", "hit_rate"
@@ -443,3 +445,220 @@ def test_progress_from_the_first_phase(capsys: pytest.CaptureFixture[str]) -> No
                           "--trace-block-tokens", "16")  # fmt: skip
     assert code == 0 and time.perf_counter() - start < 60
     assert err.index("loading") < err.index("counting") < err.index("replaying")
+
+
+# ---------------------------------------------------------------- issue 43: the planner and CLI
+
+
+@pytest.mark.parametrize(
+    "flag", [["--users", "100000000"], ["--turns", "1000000"], ["--system-tokens", "100000000"]]
+)
+def test_unbounded_workload_is_refused_up_front(flag: list[str]) -> None:
+    done = run_cli_process("replay", *flag)
+    assert_error(done.code, done.out, done.err, 2, "needs about", "available", "--max-memory")
+    assert "TiB" in done.err or "GiB" in done.err
+    assert done.seconds < 30  # no workload drawn: the start-up of Python alone (about 0.3 s)
+
+
+@pytest.mark.parametrize(
+    "flag", [["--users", "100000000"], ["--turns", "1000000"], ["--system-tokens", "100000000"]]
+)
+def test_unbounded_workload_is_refused_before_a_token_is_drawn(
+    capsys: pytest.CaptureFixture[str], monkeypatch: Any, flag: list[str]
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the workload was generated")
+
+    monkeypatch.setattr(cli, "synthetic_workload", never)
+    start = time.perf_counter()
+    code, out, err = run(capsys, "replay", *flag, "--max-memory", "64G")
+    assert time.perf_counter() - start < 1.0
+    assert_error(code, out, err, 2, "more than --max-memory (64.00 GiB)", "--max-memory")
+
+
+def test_max_memory_overrides_the_available_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "replay", *SMALL, "--max-memory", "1M")
+    assert_error(code, out, err, 2, "more than --max-memory (1.00 MiB)", "--max-memory 1G")
+    code, out, err = run(capsys, "replay", *SMALL, "--max-memory", "1G", "--json")
+    assert code == 0 and err == "" and json.loads(out)["runs"]
+    for bad in ("12x", "0", "-1G", "G"):
+        code, out, err = run(capsys, "replay", *SMALL, "--max-memory", bad)
+        assert_error(code, out, err, 2, "--max-memory", "size")
+
+
+def test_a_trace_too_big_for_memory_is_refused_before_counting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("counted")
+
+    monkeypatch.setattr(cli, "count_prefix_hits", never)
+    code, out, err = run(
+        capsys, "replay", "--trace", str(MOONCAKE), "--trace-block-tokens", "16",
+        "--max-memory", "10M",
+    )  # fmt: skip
+    assert_error(code, out, err, 2, "needs about", "--limit", "--max-memory")
+
+
+@pytest.mark.parametrize("mode", [[], ["--ssm"]])
+def test_a_sweep_that_stops_short_recommends_nothing(mode: list[str]) -> None:
+    short = ["replay", *SMALL, *mode, "--sweep", "10,20", "--jobs", "1"]
+    done = run_cli_process(*short)
+    assert done.code == 0, done.err
+    assert "recommended: none: no" in done.out and "reaches" in done.out
+    assert "the cheapest of the" not in done.out
+    doc = json.loads(run_cli_process(*short, "--json").out)
+    rec = doc["recommended"]
+    assert rec["reached"] is False
+    assert rec["within_1_point"] is None and rec["within_99_percent"] is None
+    kind = [r for r in doc["runs"] if (r["policy"] != "kv") == bool(mode)]
+    assert rec["best"]["hit_rate"] == max(r["hit_rate"] for r in kind)
+    assert rec["best"]["hit_rate"] < doc["workload"]["unbounded_hit_rate"] - 0.01
+    # A sweep that reaches the ceiling still recommends.
+    doc = json.loads(run_cli_process(*short[:-4], "--sweep", "10,4k", "--json").out)
+    assert doc["recommended"]["reached"] is True
+    assert doc["recommended"]["within_1_point"]["capacity"] == 4000
+
+
+def test_jobs_default_is_documented_and_measured(monkeypatch: Any) -> None:
+    done = run_cli_process("replay", "--help", env={**os.environ, "COLUMNS": "200"})
+    assert done.code == 0
+    text = " ".join(done.out.split())
+    assert "one per run on the idle cores" in text and "repay a worker" in text
+    from cache.planner.execute import WORKER_START_S, default_jobs
+
+    assert default_jobs(1, 1000.0, cores=8) == 1  # one run: nothing to share
+    assert default_jobs(6, WORKER_START_S, cores=8) == 1  # runs too short to repay a worker
+    assert default_jobs(6, 60.0, cores=8) == 6
+    assert default_jobs(6, 60.0, cores=2) == 2
+    assert default_jobs(6, 60.0, cores=1) == 1
+    from cache.planner import execute
+
+    monkeypatch.setattr(execute, "available_cores", lambda: 2)
+    for load, idle in ((0.0, 2), (0.4, 2), (0.6, 1), (1.6, 1), (7.5, 1)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert default_jobs(6, 60.0) == idle, load  # the busy machine of issue 43: 1
+
+
+def test_csv_trace_names_the_formats_read(tmp_path: Path) -> None:
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,4808,10\n")
+    other = tmp_path / "x.csv"
+    other.write_text("a,b\n1,2\n")
+    for path, words in ((azure, ["Azure", "no token"]), (other, ["a CSV file"])):
+        for fmt in ([], ["--trace-format", "mooncake"]):
+            done = run_cli_process("replay", "--trace", str(path), *fmt)
+            assert_error(done.code, done.out, done.err, 2, *words, "Mooncake", "Bailian", "token")
+            assert "not valid JSON" not in done.err
+
+
+def test_shared_azure_trace_is_named(traces_dir: Path) -> None:
+    done = run_cli_process("replay", "--trace", str(traces_dir / "AzureLLMInferenceTrace_conv.csv"))
+    assert_error(done.code, done.out, done.err, 2, "Azure", "Mooncake, Bailian (Qwen) or token ids")
+
+
+@pytest.mark.parametrize(
+    "line,words",
+    [
+        ('{"a": "x', ["unterminated string starting at column 7"]),
+        ('{"a": 1,}', ["expecting property name enclosed in double quotes (column 9)"]),
+    ],
+)
+def test_json_errors_read_as_one_sentence(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, line: str, words: list[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(line + "\n")
+    code, out, err = run(capsys, "replay", "--trace", str(trace))
+    assert_error(code, out, err, 2, ":1: not valid JSON: ", *words)
+    assert "at at" not in err
+
+
+@pytest.mark.parametrize("name,why", [("out.jpg", ".jpg images"), ("noext", "no suffix")])
+def test_plot_suffix_without_a_format_is_refused(tmp_path: Path, name: str, why: str) -> None:
+    target = tmp_path / name
+    done = run_cli_process("replay", *SMALL, "--sweep", "1k,2k", "--plot", str(target))
+    assert_error(done.code, done.out, done.err, 2, "--plot", why, ".png, .svg or .pdf")
+    assert not target.exists()
+
+
+def test_plot_writes_the_format_its_suffix_names(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    magic = {"png": b"\x89PNG", "svg": b"<?xml", "pdf": b"%PDF", "PDF": b"%PDF"}
+    for suffix, head in magic.items():
+        target = tmp_path / f"sweep.{suffix}"
+        done = run_cli_process("replay", *SMALL, "--sweep", "1k,2k", "--plot", str(target))
+        assert done.code == 0, done.err
+        assert target.read_bytes().startswith(head), suffix
+
+
+@pytest.mark.parametrize(
+    "flag,value,words",
+    [
+        ("--sweep", "1k,,2k", ["empty value"]),
+        ("--sweep", "1k,2k,", ["empty value"]),
+        ("--sweep", "1k,1k", ["same value"]),
+        ("--sweep", "1k,1000", ["'1k' and '1000'", "same value"]),
+        ("--sweep-blocks-per-slot", "4,,8", ["empty value"]),
+        ("--sweep-blocks-per-slot", "8,8", ["same value"]),
+    ],
+)
+def test_sweep_lists_are_not_silently_changed(flag: str, value: str, words: list[str]) -> None:
+    done = run_cli_process("replay", *SMALL, "--ssm", flag, value)
+    assert_error(done.code, done.out, done.err, 2, flag, *words)
+
+
+def test_piped_output_is_not_wrapped() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    done = run_cli_process("replay", *SMALL, "--sweep", "1k,2k", "--ssm", env=env)
+    assert done.code == 0, done.err
+    footnote = [line for line in done.out.splitlines() if line.startswith("hit rate = ")]
+    assert len(footnote) == 1 and footnote[0].endswith("it alone does not fit.")
+    assert not any(line.startswith("  ") and "evictable" in line for line in done.out.splitlines())
+    done = run_cli_process("replay", *SMALL, "--sweep", "1k,2k", env={**env, "COLUMNS": "80"})
+    assert max(len(line) for line in done.out.splitlines()) <= 80  # $COLUMNS still applies
+
+
+def test_progress_counts_requests_within_runs_and_leaves_no_stale_bar() -> None:
+    pytest.importorskip("tqdm")
+    done = run_cli_process("replay", *SMALL, "--sweep", "100,200,300", "--jobs", "2", "--progress")
+    assert done.code == 0, done.err
+    frames = [f.strip() for f in done.err.replace("\r", "\n").splitlines() if f.strip()]
+    replaying = [f for f in frames if f.startswith("replaying")]
+    assert replaying and "90/90" in replaying[-1] and "req" in replaying[-1]  # 30 req x 3 runs
+    assert "3/3 runs done" in replaying[-1]
+    assert all("%|" in f for f in frames), frames  # every bar has a total (none "0req [...]")
+    generating = [f for f in frames if f.startswith("generating")]
+    assert generating and "6/6" in generating[-1] and "session" in generating[-1]
+
+
+@pytest.mark.parametrize(
+    "argv,text",
+    [
+        (["--chunk-size", "64"], "--chunk-size applies only with --ssm"),
+        (["--chunk-size", "64", "--ckpt-interval", "8"], "--chunk-size apply only with --ssm"),
+        (["--trace", str(MOONCAKE), "--users", "3"], "--users describes the built-in workload"),
+        (
+            ["--trace", str(MOONCAKE), "--users", "3", "--turns", "2"],
+            "--users, --turns describe the built-in workload",
+        ),
+    ],
+)
+def test_messages_agree_with_their_flags(
+    capsys: pytest.CaptureFixture[str], argv: list[str], text: str
+) -> None:
+    code, out, err = run(capsys, "replay", *argv)
+    assert_error(code, out, err, 2, text)
+
+
+def test_a_long_workload_says_its_estimate_before_it_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    def stop(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt  # what the user would do after reading the estimate
+
+    monkeypatch.setattr(cli, "synthetic_workload", stop)
+    code, out, err = run(capsys, "replay", "--users", "1", "--turns", "3000", "--max-memory", "64G")
+    assert code == 130 and out == ""
+    first = err.splitlines()[0]
+    assert first.startswith("blocktrie replay: estimated about ") and "at the peak" in first

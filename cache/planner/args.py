@@ -167,6 +167,33 @@ def _load_factor(text: str) -> float:
     return value
 
 
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional binary unit: 512M, 1.5G, 2T, 64GiB (K/M/G/T are powers of
+    1024 whether written G, GB or GiB)."""
+    raw = text
+    text = text.strip().lower().replace("_", "")
+    for suffix in ("ib", "b"):
+        if text.endswith(suffix) and text[: -len(suffix)][-1:] in "kmgt":
+            text = text[: -len(suffix)]
+            break
+    unit = text[-1:] if text[-1:] in "kmgt" else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        if not number or not all(c.isdigit() or c == "." for c in number):
+            raise ValueError
+        value = Fraction(number) * _SIZE_UNITS[unit]
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 512M, 8G or 1.5T, got {raw!r}"
+        ) from None
+    if not 1 <= value <= 2**60:
+        raise argparse.ArgumentTypeError(f"expected a size in [1 byte, 1024P], got {raw!r}")
+    return int(value)
+
+
 def _hash_seed(text: str) -> int:
     value = _seed(text)
     if not 0 <= value < 2**64:
@@ -175,11 +202,25 @@ def _hash_seed(text: str) -> int:
 
 
 def _list(item: Callable[[str], int]) -> Callable[[str], list[int]]:
+    """Comma-separated values, returned sorted; an empty value or one given twice is an
+    error (``1k,,2k``, ``1k,1000``), not silently dropped."""
+
     def parse(text: str) -> list[int]:
-        parts = [p for p in text.split(",") if p.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError("expected at least one value")
-        return sorted({item(p) for p in parts})
+        parts = text.split(",")
+        if any(not p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"empty value in {text!r} (expected values separated by single commas)"
+            )
+        seen: dict[int, str] = {}
+        for part in parts:
+            value = item(part)
+            if value in seen:
+                raise argparse.ArgumentTypeError(
+                    f"{seen[value].strip()!r} and {part.strip()!r} in {text!r} are the same "
+                    f"value ({value:,}); give each once"
+                )
+            seen[value] = part
+        return sorted(seen)
 
     parse.__name__ = "list"
     return parse
@@ -270,7 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wl = rp.add_argument_group("workload")
     wl.add_argument(
-        "--trace", metavar="FILE", help="Mooncake, Bailian (Qwen) or token-id jsonl trace"
+        "--trace",
+        metavar="FILE",
+        help="a JSON-lines trace: Mooncake, Bailian (Qwen) or token ids (docs/replay.md); "
+        "CSV traces such as Azure's carry no token or hash ids and are not read",
     )
     wl.add_argument(
         "--trace-format",
@@ -457,7 +501,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs",
         type=_bounded(1, 4096),
         metavar="N",
-        help="replay sweep points in N worker processes (default: the cores available)",
+        help="replay sweep points in N worker processes (default: one per run on the idle "
+        "cores (cores minus the load average), when the runs are long enough to repay a "
+        "worker's 2 s start-up and their memory fits; else 1)",
+    )
+    ex.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        help="memory the command may use, e.g. 8G: a workload estimated to need more is "
+        "refused before anything runs (default: the memory available, MemAvailable or the "
+        "cgroup limit); give a larger SIZE to run it anyway",
     )
     ex.add_argument(
         "--executor",
@@ -476,7 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fmt.add_argument("--csv", action="store_true", help="print one CSV row per run, nothing else")
     out.add_argument(
-        "--plot", metavar="FILE", help="write a PNG of hit rate against capacity (needs --sweep)"
+        "--plot",
+        metavar="FILE",
+        help="draw hit rate against capacity (needs --sweep) as FILE.png, .svg or .pdf",
     )
     prog = out.add_mutually_exclusive_group()
     prog.add_argument(

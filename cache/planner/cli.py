@@ -8,6 +8,8 @@ hits and peak pins. See docs/replay.md.
 
 Every flag is checked before anything is loaded or replayed: a flag that
 would be ignored is an error, and so is a plot path that cannot be written.
+A workload whose estimated memory (`cache.planner.resources`) exceeds what the
+machine has available is refused before it is generated or counted.
 Errors are one line on stderr (``blocktrie replay: error: ...``), exit 2 for
 bad usage or input, 1 for a failure while running, 130 on Ctrl-C. This module
 imports neither torch nor the report libraries, so ``--help`` is instant.
@@ -36,7 +38,7 @@ from cache.planner.args import (
     attach_values,
     build_parser,
 )
-from cache.planner.execute import ReplaySettings, available_cores, run_all
+from cache.planner.execute import ReplaySettings, available_cores, default_jobs, run_all
 from cache.planner.plan import Run, never_evict_capacity, plan_runs, recommend
 from cache.planner.plot import check_plot_path, write_plot
 from cache.planner.policy import DEFAULT_POLICY, KV
@@ -45,9 +47,19 @@ from cache.planner.replay import ReplayResult
 from cache.planner.report import (
     build_fleet,
     build_report,
+    fmt_bytes,
     render_csv,
     render_fleet_text,
     render_text,
+)
+from cache.planner.resources import (
+    Estimate,
+    WorkloadShape,
+    available_memory,
+    estimate,
+    file_shape,
+    synthetic_shape,
+    trace_shape,
 )
 from cache.planner.traces import TraceError, detect_trace_format, load_trace
 from cache.planner.workload import (
@@ -59,7 +71,7 @@ from cache.planner.workload import (
 )
 from spec.errors import CacheError
 
-__all__ = ["MAX_BLOCKS", "UsageError", "build_parser", "main"]
+__all__ = ["MAX_BLOCKS", "UsageError", "build_parser", "estimate_replay", "main"]
 
 
 class UsageError(Exception):
@@ -133,12 +145,17 @@ class _Progress:
 # replay
 
 
+def _flags(given: list[str], singular: str, plural: str) -> str:
+    """``--a does`` / ``--a, --b do``: the flags and the verb that agrees with them."""
+    return f"{', '.join(given)} {singular if len(given) == 1 else plural}"
+
+
 def _check_usage(args: argparse.Namespace) -> None:
     """Reject flags that would be ignored, and impossible combinations, before any work."""
     if not args.ssm:
         given = [flag for dest, flag in SSM_FLAGS.items() if getattr(args, dest) is not None]
         if given:
-            raise UsageError(f"{', '.join(given)} only apply with --ssm")
+            raise UsageError(f"{_flags(given, 'applies', 'apply')} only with --ssm")
     if args.host_capacity and args.ssm:
         raise UsageError(
             "--host-capacity with --ssm: an SSM trie serves no hit from the host tier (SSM "
@@ -154,7 +171,9 @@ def _check_usage(args: argparse.Namespace) -> None:
     if args.trace is not None:
         given = [flag for dest, flag in SYNTHETIC_FLAGS.items() if getattr(args, dest) is not None]
         if given:
-            raise UsageError(f"{', '.join(given)} describe the built-in workload, not --trace")
+            raise UsageError(
+                f"{_flags(given, 'describes', 'describe')} the built-in workload, not --trace"
+            )
     else:
         for flag, value in (
             ("--trace-block-tokens", args.trace_block_tokens),
@@ -194,8 +213,7 @@ def _check_fleet_usage(args: argparse.Namespace) -> None:
     if not fleet:
         given = [flag for dest, flag in FLEET_FLAGS.items() if getattr(args, dest) is not None]
         if given:
-            verb = "needs" if len(given) == 1 else "need"
-            raise UsageError(f"{', '.join(given)} {verb} --replicas or --publish")
+            raise UsageError(f"{_flags(given, 'needs', 'need')} --replicas or --publish")
         return
     what = "--replicas" if args.replicas is not None else "--publish"
     if args.host_capacity:
@@ -231,17 +249,23 @@ def _capacities(args: argparse.Namespace, never_evict: int) -> list[int]:
     return sorted(set(caps))
 
 
-def _load_workload(args: argparse.Namespace, progress: _Progress) -> tuple[Workload[Any], str]:
+def _synthetic_params(args: argparse.Namespace) -> SyntheticParams:
+    d = SyntheticParams()
+    return SyntheticParams(
+        **{
+            dest: getattr(d, dest) if getattr(args, dest) is None else getattr(args, dest)
+            for dest in SYNTHETIC_FLAGS
+        }
+    )
+
+
+def _load_workload(args: argparse.Namespace, progress: _Progress) -> tuple[Workload[Any], str, int]:
+    """The workload, its format, and the size of the trace file (0: built-in)."""
+    size = 0
     if args.trace is None:
-        d = SyntheticParams()
-        params = SyntheticParams(
-            **{
-                dest: getattr(d, dest) if getattr(args, dest) is None else getattr(args, dest)
-                for dest in SYNTHETIC_FLAGS
-            }
-        )
-        progress.phase("generating", 0, "req")
-        workload = synthetic_workload(params)
+        params = _synthetic_params(args)
+        update = progress.phase("generating", params.users, "session")
+        workload = synthetic_workload(params, update)
         fmt = "synthetic"
     else:
         fmt = args.trace_format
@@ -253,11 +277,12 @@ def _load_workload(args: argparse.Namespace, progress: _Progress) -> tuple[Workl
             size = os.path.getsize(args.trace)
         except OSError:
             size = 0
+        _check_resources(args, file_shape(size))
         update = progress.phase("loading", size, "B", scale=True)
         workload = load_trace(args.trace, fmt, args.trace_block_tokens, update)
     if args.limit is not None:
         workload = workload.head(args.limit)
-    return workload, fmt
+    return workload, fmt, size
 
 
 MAX_REQUEST_TOKENS = 1_000_000_000
@@ -278,9 +303,98 @@ def _check_sizes(workload: Workload[Any], cap: int | None) -> None:
 
 
 def _count(workload: Workload[Any], args: argparse.Namespace, progress: _Progress) -> PrefixCount:
-    _check_sizes(workload, args.max_decode_tokens)
     update = progress.phase("counting", len(workload), "req")
     return count_prefix_hits(workload, args.block_size, args.max_decode_tokens, update)
+
+
+def _plan(args: argparse.Namespace, count: PrefixCount) -> tuple[int, list[int], list[Run]]:
+    """The never-evict capacity, the capacities to replay and the runs, for `count` (the
+    real one, or what `_check_resources` predicts)."""
+    r_values = args.sweep_blocks_per_slot or [args.blocks_per_slot or DEFAULT_BLOCKS_PER_SLOT]
+    never_evict = never_evict_capacity(
+        count,
+        args.concurrency,
+        ssm=args.ssm,
+        state_slots=args.state_slots,
+        min_blocks_per_slot=min(r_values),
+    )
+    capacities = _capacities(args, never_evict)
+    runs = plan_runs(
+        capacities,
+        ssm=args.ssm,
+        policies=args.ckpt_policy or [DEFAULT_POLICY],
+        blocks_per_slot=r_values,
+        state_slots=args.state_slots,
+    )
+    return never_evict, capacities, runs
+
+
+def estimate_replay(
+    args: argparse.Namespace, shape: WorkloadShape, jobs: int | None = None
+) -> tuple[Estimate, int]:
+    """The estimate of the command `args` replaying a workload of `shape`, and the
+    number of worker processes it was made for (``--jobs``, else `jobs`, else the
+    default: `default_jobs`)."""
+    blocks = -(-shape.longest_tokens // args.block_size)
+    predicted = PrefixCount(shape.requests, shape.prompt_tokens, 0, shape.distinct_blocks, blocks)
+    runs = _plan(args, predicted)[2]
+    cores = available_cores()
+    if args.jobs is not None:
+        jobs = args.jobs
+    if jobs is None:
+        one = estimate(shape, runs, concurrency=args.concurrency, jobs=1, cores=cores)
+        jobs = default_jobs(len(runs), one.replay_s / max(1, len(runs)))
+    return estimate(shape, runs, concurrency=args.concurrency, jobs=jobs, cores=cores), jobs
+
+
+def _check_resources(args: argparse.Namespace, shape: WorkloadShape) -> int:
+    """The number of worker processes to replay with, after refusing a workload whose
+    estimated peak memory exceeds ``--max-memory`` (default: what the machine has
+    available). A default ``--jobs`` is lowered until the workers' caches fit."""
+    guess, jobs = estimate_replay(args, shape)
+    found = available_memory() if args.max_memory is None else (args.max_memory, "--max-memory")
+    if found is None:
+        return jobs
+    limit, source = found
+    while guess.peak_bytes > limit and args.jobs is None and jobs > 1:
+        guess, jobs = estimate_replay(args, shape, jobs - 1)
+    if guess.peak_bytes > limit:
+        raise UsageError(_too_big(args, guess, limit, source, jobs))
+    if guess.seconds > 60:
+        print(
+            f"{PROG} replay: estimated {_duration(guess.seconds)} and "
+            f"{fmt_bytes(guess.peak_bytes)} at the peak ({guess.parts()})",
+            file=sys.stderr,
+        )
+    return jobs
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"about {seconds / size:,.1f} {unit}"
+    return f"about {seconds:.0f} s"
+
+
+def _too_big(args: argparse.Namespace, guess: Estimate, limit: int, source: str, jobs: int) -> str:
+    where = (
+        f"--max-memory ({fmt_bytes(limit)})"
+        if source == "--max-memory"
+        else f"the {fmt_bytes(limit)} available ({source})"
+    )
+    if args.trace is None:
+        smaller = "make the workload smaller (--users, --turns, --system-tokens, ...)"
+    else:
+        smaller = "replay part of the trace (--limit N)"
+    if jobs > 1:
+        smaller += f", replay in fewer processes (--jobs {jobs} now)"
+    gib = -(-guess.peak_bytes // 2**30)
+    size = f"{gib}G" if gib < 1024 else f"{-(-gib // 1024)}T"
+    return (
+        f"this workload needs about {fmt_bytes(guess.peak_bytes)} of memory at its peak "
+        f"({guess.parts()}) and {_duration(guess.seconds)}, more than {where}: {smaller}, "
+        f"or give --max-memory {size} to run it anyway"
+    )
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -288,29 +402,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = _Progress(show and not args.json and not args.csv)
     try:
-        workload, fmt = _load_workload(args, progress)
+        if args.trace is None:  # before a token is drawn: from the parameters alone
+            params = _synthetic_params(args)
+            shape = synthetic_shape(params, args.block_size, args.max_decode_tokens)
+            jobs = _check_resources(args, shape)
+        workload, fmt, file_bytes = _load_workload(args, progress)
+        _check_sizes(workload, args.max_decode_tokens)
+        if args.trace is not None:  # before counting: from its lengths and file size
+            shape = trace_shape(workload, args.block_size, args.max_decode_tokens, file_bytes)
+            jobs = _check_resources(args, shape)
         count = _count(workload, args, progress)
-        r_values = args.sweep_blocks_per_slot or [args.blocks_per_slot or DEFAULT_BLOCKS_PER_SLOT]
-        never_evict = never_evict_capacity(
-            count,
-            args.concurrency,
-            ssm=args.ssm,
-            state_slots=args.state_slots,
-            min_blocks_per_slot=min(r_values),
-        )
-        capacities = _capacities(args, never_evict)
+        never_evict, capacities, runs = _plan(args, count)
         if max(capacities) > MAX_BLOCKS:
             raise UsageError(
                 f"this workload needs {never_evict:,} blocks never to evict, above the "
                 f"planner's limit of {MAX_BLOCKS:,}: give --capacity or --sweep"
             )
-        runs = plan_runs(
-            capacities,
-            ssm=args.ssm,
-            policies=args.ckpt_policy or [DEFAULT_POLICY],
-            blocks_per_slot=r_values,
-            state_slots=args.state_slots,
-        )
         settings = ReplaySettings(
             block_size=args.block_size,
             concurrency=args.concurrency,
@@ -321,7 +428,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             check=args.check,
             host_capacity=args.host_capacity or 0,
         )
-        jobs = args.jobs if args.jobs is not None else available_cores()
         results = _run(workload, runs, settings, jobs, args.executor, progress)
     finally:
         progress.close()
@@ -364,7 +470,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     elif args.csv:
         sys.stdout.write(render_csv(doc))
     else:
-        width = shutil.get_terminal_size((200, 24)).columns
+        width = _text_width()
         sys.stdout.write(render_text(doc, width) + "\n")
         if fleet is not None:
             sys.stdout.write("\n" + render_fleet_text(fleet, width) + "\n")
@@ -377,6 +483,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         if not (args.json or args.csv):
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _text_width() -> int:
+    """Columns to fit the report to: the terminal's; when stdout is not one (a pipe, a
+    file), $COLUMNS if set, else unlimited (prose is not wrapped, tables not split)."""
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    columns = os.environ.get("COLUMNS", "").strip()
+    return int(columns) if columns.isdigit() and int(columns) > 0 else sys.maxsize
 
 
 def _run(
@@ -410,14 +525,14 @@ def _run(
             progress=per_run,
             on_done=finished,
         )
-    update = progress.phase(f"replaying ({min(jobs, len(runs))} jobs)", len(runs), "run")
-    finished_runs = [0]
+    workers = min(jobs, len(runs))
+    update = progress.phase(f"replaying ({workers} jobs)", n * len(runs), "req")
 
-    def one_done(_index: int) -> None:
-        finished_runs[0] += 1
-        update(finished_runs[0])
+    def all_runs(done: int, label: str) -> None:
+        progress.label(f"replaying ({workers} jobs, {label})")
+        update(done)
 
-    return run_all(workload, runs, settings, jobs=jobs, executor=executor, on_done=one_done)
+    return run_all(workload, runs, settings, jobs=jobs, executor=executor, progress=all_runs)
 
 
 def _run_fleet(

@@ -19,7 +19,15 @@ from cache.planner.policy import KV, CheckpointPolicy, abbreviate
 from cache.planner.replay import ReplayResult, run_replay
 from cache.planner.workload import Workload
 
-__all__ = ["EXECUTORS", "ReplaySettings", "available_cores", "policy_for", "run_all"]
+__all__ = [
+    "EXECUTORS",
+    "WORKER_START_S",
+    "ReplaySettings",
+    "available_cores",
+    "default_jobs",
+    "policy_for",
+    "run_all",
+]
 
 EXECUTORS = ("process", "ray")
 
@@ -46,6 +54,37 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+WORKER_START_S = 2.0
+"""What a worker process costs before its first request: the fork, and importing torch
+(1.5-2.5 s measured on the 2-core development machine)."""
+
+
+def idle_cores() -> int:
+    """Cores no other process is using: the cores available minus the 1-minute load
+    average (rounded to the nearest core), at least 1."""
+    cores = available_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not Unix
+        return cores
+    return max(1, min(cores, round(cores - load)))
+
+
+def default_jobs(runs: int, seconds_per_run: float, cores: int | None = None) -> int:
+    """`--jobs` when not given: one worker per run on the idle cores (`idle_cores`), when a
+    run is long enough to repay a worker's start-up (`seconds_per_run` at least
+    2 x `WORKER_START_S`); else 1, replaying here without forking.
+
+    Measured on the 2-core development machine while other jobs ran (load average
+    4.6-10.4), interleaved: a 4-run sweep of ``--users 1000`` took 30.9 / 42.7 / 52.1 s
+    with ``--jobs 1`` and 44.6 / 36.9 / 58.6 s with ``--jobs 2``; a 6-run ``--ssm`` sweep
+    of the built-in workload 11.4 / 13.3 s and 15.5 / 14.7 s (docs/replay.md). Workers
+    pay off only with idle cores and runs of several seconds."""
+    if runs <= 1 or seconds_per_run < 2 * WORKER_START_S:
+        return 1
+    return max(1, min(runs, idle_cores() if cores is None else cores))
 
 
 def policy_for(run: Run, settings: ReplaySettings) -> CheckpointPolicy | None:
@@ -79,11 +118,18 @@ def run_one(
     )
 
 
-_SHARED: dict[str, Any] = {}  # the workload, set before forking workers
+_SHARED: dict[str, Any] = {}  # the workload and progress counters, set before forking workers
 
 
-def _worker(run: Run, settings: ReplaySettings) -> ReplayResult:
-    return run_one(_SHARED["workload"], run, settings)
+def _worker(index: int, run: Run, settings: ReplaySettings) -> ReplayResult:
+    progress = None
+    if "done" in _SHARED:
+        done = _SHARED["done"]
+
+        def progress(n: int) -> None:
+            done[index] = n  # this run's slot: one writer, the parent only reads
+
+    return run_one(_SHARED["workload"], run, settings, progress)
 
 
 def run_all(
@@ -99,9 +145,11 @@ def run_all(
     """Every run's result, in run order.
 
     `jobs` 1 replays here, run after run, calling ``progress(requests done in this run,
-    label)``; more replays in `jobs` forked worker processes (``executor="process"``) or
-    as Ray tasks (``executor="ray"``; the ray cluster of ``ray.init()``), calling
-    ``on_done(run index)`` as each finishes.
+    label)``; more replays in `jobs` forked worker processes (``executor="process"``),
+    calling ``progress(requests done in all runs together, label)`` four times a second
+    (each worker counts its requests in shared memory), or as Ray tasks
+    (``executor="ray"``; the ray cluster of ``ray.init()``). Every executor calls
+    ``on_done(run index)`` as each run finishes.
 
     Fork only from a process with no other thread (the `blocktrie` command keeps
     it so): a fork copies the locks other threads hold at that instant into the
@@ -126,19 +174,27 @@ def run_all(
             if on_done is not None:
                 on_done(i)
         return results
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+    context = multiprocessing.get_context("fork")
     _SHARED["workload"] = workload
+    if progress is not None:
+        _SHARED["done"] = context.RawArray("q", len(runs))  # shared with the forks
     try:
-        context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
-            futures = [pool.submit(_worker, run, settings) for run in runs]
-            out: list[ReplayResult] = []
-            for i, future in enumerate(futures):
-                out.append(future.result())
-                if on_done is not None:
-                    on_done(i)
-            return out
+            futures = {pool.submit(_worker, i, run, settings): i for i, run in enumerate(runs)}
+            out: dict[int, ReplayResult] = {}
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                for future in sorted(finished, key=futures.__getitem__):
+                    out[futures[future]] = future.result()
+                    if on_done is not None:
+                        on_done(futures[future])
+                if progress is not None:
+                    label = f"{len(out)}/{len(runs)} runs done"
+                    progress(sum(_SHARED["done"]), label)
+            return [out[i] for i in range(len(runs))]
     finally:
         _SHARED.clear()
 

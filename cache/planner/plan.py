@@ -2,7 +2,8 @@
 
 - `never_evict_capacity`: the pool size at which a replay never evicts.
 - `plan_runs`: which (capacity, checkpoint policy, state budget) replays to run.
-- `recommend`: the cheapest runs within 1 point / 99 % of the unbounded hit rate.
+- `recommend`: the cheapest runs within 1 point / 99 % of the unbounded hit rate, or
+  that no run reaches the ceiling.
 
 Nothing here touches a cache, a terminal or a file.
 """
@@ -93,12 +94,21 @@ class Recommendation:
     - `ceiling`: what "near" is measured against: the unbounded attention-only hit
       rate for ``"kv"``; for ``"ssm"`` the best hit rate any SSM run reached (a hybrid
       model cannot reach the attention-only ceiling: hits end at checkpoints).
+    - `reached`: whether some run reaches the ceiling, so that "near" means what it
+      says. Attention-only: a run is within 1 point of the unbounded hit rate. SSM: an
+      SSM run evicted no KV block (a larger pool cannot raise its hit rate), or is within
+      1 point of the attention-only ceiling (which no SSM run passes). When none is, the
+      best SSM hit rate is only where the sweep stopped: both picks are None.
+    - `best`: the run with the highest hit rate among those considered (the cheapest of
+      them on a tie); None when there is no run.
     """
 
     within_1_point: int | None
     within_99_percent: int | None
     among: str
     ceiling: float
+    reached: bool = True
+    best: int | None = None
 
 
 def recommend(
@@ -107,8 +117,9 @@ def recommend(
     cost: Callable[[Run], float] | None = None,
 ) -> Recommendation:
     """The cheapest run within 1 point, and within 99 %, of the ceiling, over every run
-    of its kind (see `Recommendation`). `ceiling` is the unbounded attention-only hit
-    rate; with SSM runs the ceiling is the best SSM hit rate instead.
+    of its kind, or none when no run reaches the ceiling (see `Recommendation`).
+    `ceiling` is the unbounded attention-only hit rate; with SSM runs the ceiling is the
+    best SSM hit rate instead.
 
     `cost` orders runs (e.g. KV plus state bytes); by default capacity, then state slots.
     Ties go to the earlier run.
@@ -120,13 +131,18 @@ def recommend(
         run = results[i][0]
         return (cost(run) if cost is not None else 0.0, run.capacity, run.slots, i)
 
-    if ssm:
-        ceiling = max(results[i][1].hit_rate for i in among)
-
     def cheapest(threshold: float) -> int | None:
         ok = [i for i in among if results[i][1].hit_rate >= threshold - 1e-12]
         return min(ok, key=key) if ok else None
 
+    kind = "ssm" if ssm else KV
+    best = min(among, key=lambda i: (-results[i][1].hit_rate, key(i)), default=None)
+    reached = cheapest(ceiling - 0.01) is not None
+    if ssm:
+        reached = reached or any(results[i][1].evicted_blocks == 0 for i in among)
+        ceiling = results[best][1].hit_rate if best is not None else 0.0
+    if not reached:
+        return Recommendation(None, None, kind, ceiling, False, best)
     return Recommendation(
-        cheapest(ceiling - 0.01), cheapest(ceiling * 0.99), "ssm" if ssm else KV, ceiling
+        cheapest(ceiling - 0.01), cheapest(ceiling * 0.99), kind, ceiling, True, best
     )

@@ -11,16 +11,32 @@ from typing import Any
 
 from cache.planner.policy import KV
 
-__all__ = ["check_plot_path", "write_plot"]
+__all__ = ["PLOT_FORMATS", "check_plot_path", "write_plot"]
+
+PLOT_FORMATS = ("png", "svg", "pdf")
+"""What --plot writes, chosen by the file's suffix (matplotlib's own vector and raster
+back-ends; no other image library needed)."""
+
+
+def plot_format(path: str) -> str | None:
+    """The format `path`'s suffix names (None when it names none of `PLOT_FORMATS`)."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    return suffix if suffix in PLOT_FORMATS else None
 
 
 def check_plot_path(path: str) -> str | None:
-    """Why a PNG cannot be written at `path` (None when it can), found before any replay
-    runs: empty, a directory, a missing or unwritable folder. It creates and removes a
-    probe file beside the target, so a read-only file system is caught too."""
+    """Why the plot cannot be written at `path` (None when it can), found before any
+    replay runs: empty, no suffix or one that names no format of `PLOT_FORMATS`, a
+    directory, a missing or unwritable folder. It creates and removes a probe file
+    beside the target, so a read-only file system is caught too."""
     if not path.strip():
         return "empty file name"
     target = Path(path)
+    if plot_format(path) is None:
+        names = ", ".join(f".{f}" for f in PLOT_FORMATS[:-1]) + f" or .{PLOT_FORMATS[-1]}"
+        if not target.suffix:
+            return f"{path} has no suffix to name the format: end it in {names}"
+        return f"{path}: cannot write {target.suffix} images; end the name in {names}"
     if target.is_dir():
         return f"{path} is a directory"
     parent = target.resolve().parent
@@ -44,8 +60,12 @@ def _umask() -> int:
 
 
 def write_plot(path: str, doc: dict[str, Any]) -> None:
-    """Write the PNG atomically (temp file + rename), with the mode the umask gives new
-    files (mkstemp alone would leave it 0600)."""
+    """Write the figure in the format `path`'s suffix names (`PLOT_FORMATS`), atomically
+    (temp file + rename), with the mode the umask gives new files (mkstemp alone would
+    leave it 0600)."""
+    fmt = plot_format(path)
+    if fmt is None:
+        raise ValueError(f"--plot: {check_plot_path(path)}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,6 +112,10 @@ def write_plot(path: str, doc: dict[str, Any]) -> None:
             if pick is not None:
                 run = runs[pick["run"]]
                 ax.plot([x(run)], [run["hit_rate"] * 100], marker, markersize=11, label=text)
+        if not rec["reached"] and rec["best"] is not None:
+            run = runs[rec["best"]["run"]]
+            text = "best run: no run reaches the ceiling, none recommended"
+            ax.plot([x(run)], [run["hit_rate"] * 100], "X", markersize=11, label=text)
         xs = sorted({x(r) for r in runs})
         if len(xs) > 1 and xs[0] > 0 and xs[-1] / xs[0] >= 20:
             ax.set_xscale("log")
@@ -103,15 +127,15 @@ def write_plot(path: str, doc: dict[str, Any]) -> None:
         ax.set_ylabel("prompt-token hit rate (%)")
         ax.set_title(f"blocktrie replay: {w['name']}, {w['requests']:,} requests", fontsize=11)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="best")  # away from the points (lower right hid the best)
         fig.tight_layout()
         target = Path(path)
         fd, tmp = tempfile.mkstemp(
-            prefix=".blocktrie-plot-", suffix=".png", dir=target.resolve().parent
+            prefix=".blocktrie-plot-", suffix=f".{fmt}", dir=target.resolve().parent
         )
         os.close(fd)
         try:
-            fig.savefig(tmp, format="png")
+            fig.savefig(tmp, format=fmt)
             os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, target)
         except BaseException:

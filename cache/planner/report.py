@@ -275,6 +275,8 @@ def build_report(
             "among": recommendation.among,
             "within_1_point": pick(recommendation.within_1_point),
             "within_99_percent": pick(recommendation.within_99_percent),
+            "reached": recommendation.reached,
+            "best": pick(recommendation.best),
         },
         "fleet": fleet,
     }
@@ -484,10 +486,7 @@ def render_text(doc: dict[str, Any], width: int) -> str:
             f"of {target}"
         )
     else:
-        lines.append(
-            f"recommended: none of the {kind} is within 1 point of {target}; "
-            f"{w['never_evict_blocks']:,} blocks never evict"
-        )
+        lines.append(_unreached(doc, ssm))
     if near is not None:
         lines.append(
             f"  within 99% of it: {_pick_text(near, ssm)}"
@@ -508,6 +507,30 @@ def render_text(doc: dict[str, Any], width: int) -> str:
         )
     tail = [wrapped for line in lines[table_end:] for wrapped in _wrap(line, width)]
     return "\n".join(lines[:table_end] + tail)
+
+
+def _unreached(doc: dict[str, Any], ssm: bool) -> str:
+    """The recommendation line when no run reaches the ceiling: what the best run got,
+    how far below the ceiling, and the capacity that reaches it."""
+    w, rec = doc["workload"], doc["recommended"]
+    ceiling = w["unbounded_hit_rate"]
+    never = f"{w['never_evict_blocks']:,} blocks never evict"
+    best = rec["best"]
+    if best is None:
+        return f"recommended: none: no run; {never}"
+    gap = (ceiling - best["hit_rate"]) * 100
+    if ssm:
+        return (
+            "recommended: none: no SSM run reaches its ceiling. The best, "
+            f"{_pick_text(best, ssm)}, is {gap:.2f} points under the attention-only ceiling "
+            f"({_pct(ceiling)}) and every SSM run evicted KV blocks, so more capacity may "
+            f"raise it; sweep on to where one evicts none ({never})"
+        )
+    return (
+        f"recommended: none: no run reaches the ceiling ({_pct(ceiling)}; within 1 point "
+        f"counts). The best, {_pick_text(best, ssm)}, is {gap:.2f} points under it; "
+        f"sweep on towards {never}"
+    )
 
 
 def _wrap(line: str, width: int) -> list[str]:

@@ -1,4 +1,6 @@
 """Trace readers: Mooncake, Alibaba Bailian and token-id jsonl files as `Workload`s.
+Other formats are refused by name (a CSV file such as the Azure LLM inference
+traces: token counts without token or hash ids say nothing of shared prefixes).
 
 - `load_mooncake`: Mooncake-format jsonl (``timestamp``, ``input_length``,
   ``output_length``, ``hash_ids``), one hash id per ``block_tokens`` tokens.
@@ -36,6 +38,7 @@ from cache.planner.workload import Filler, Request, Workload
 __all__ = [
     "BAILIAN_BLOCK_TOKENS",
     "FORMATS",
+    "READS",
     "TRACE_BLOCK_TOKENS",
     "TraceError",
     "default_block_tokens",
@@ -101,13 +104,33 @@ def _read_lines(path: str | Path, progress: Progress | None = None) -> Iterator[
         progress(done)
 
 
+READS = "JSON-lines traces: Mooncake, Bailian (Qwen) or token ids (docs/replay.md)"
+"""What the planner reads, as error messages name it."""
+
+
+def _not_json(path: str | Path, lineno: int, text: str, exc: json.JSONDecodeError) -> TraceError:
+    """The error for a line that is not JSON: a CSV file is named as one (the Azure LLM
+    inference traces are CSV, with token counts but no token or hash ids)."""
+    if lineno == 1 and text[:1] not in "{[" and "," in text:
+        what = "a CSV file"
+        header = [field.strip().lower() for field in text.split(",")]
+        if "contexttokens" in header or "generatedtokens" in header:
+            what = (
+                "an Azure LLM inference trace (CSV: token counts per request, but no token "
+                "or hash ids, so it cannot show which prompts share a prefix)"
+            )
+        return TraceError(path, lineno, f"{what}; the planner reads {READS}")
+    reason = exc.msg[:1].lower() + exc.msg[1:]
+    # Some of json's messages end in "at" (json itself appends ": line L column C").
+    where = f" column {exc.colno}" if reason.endswith(" at") else f" (column {exc.colno})"
+    return TraceError(path, lineno, f"not valid JSON: {reason}{where}")
+
+
 def _parse_json(path: str | Path, lineno: int, text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise TraceError(
-            path, lineno, f"not valid JSON ({exc.msg} at column {exc.colno})"
-        ) from None
+        raise _not_json(path, lineno, text, exc) from None
     except RecursionError:
         raise TraceError(path, lineno, "JSON nested too deeply") from None
 

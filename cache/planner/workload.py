@@ -226,7 +226,9 @@ def _length(rng: random.Random, mean: int) -> int:
     return max(1, round(mean * rng.uniform(0.5, 1.5)))
 
 
-def synthetic_workload(params: SyntheticParams | None = None) -> Workload[Any]:
+def synthetic_workload(
+    params: SyntheticParams | None = None, progress: Callable[[int], None] | None = None
+) -> Workload[Any]:
     """The built-in workload: seeded multi-turn chat and agentic sessions.
 
     Every session starts with one of `system_prompts` shared system prompts
@@ -237,6 +239,7 @@ def synthetic_workload(params: SyntheticParams | None = None) -> Workload[Any]:
     tool result is appended, and the next request's prompt is the grown
     history; the last request of the turn produces the answer. Sessions start
     at Poisson times and their requests interleave by arrival time.
+    `progress(n)` is called with the sessions made so far, every 64 and at the end.
     """
     p = params or SyntheticParams()
     rng = random.Random(p.seed)
@@ -249,7 +252,9 @@ def synthetic_workload(params: SyntheticParams | None = None) -> Workload[Any]:
     weights = [1.0 / (i + 1) for i in range(p.system_prompts)]
     records: list[_SynthRecord] = []
     start = 0.0
-    for _user in range(p.users):
+    for user in range(p.users):
+        if progress is not None and user % 64 == 0:
+            progress(user)
         start += rng.expovariate(1.0 / 2000.0)  # a session every ~2 s
         buffer = list(rng.choices(systems, weights)[0])
         agentic = rng.random() < p.agentic
@@ -267,6 +272,8 @@ def synthetic_workload(params: SyntheticParams | None = None) -> Workload[Any]:
             buffer.extend(tokens(_length(rng, p.output_tokens)))
             records.append(_SynthRecord(buffer, prompt_end, len(buffer), now))
             now += rng.expovariate(1.0 / 20000.0)  # user think time ~20 s
+    if progress is not None:
+        progress(p.users)
     records.sort(key=lambda r: r.arrival_ms)  # stable: a session's requests keep their order
 
     def build(_index: int, rec: _SynthRecord) -> Request:
