@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from cache.block_hash import SCHEMES
+from cache.stats import DEFAULT_STATS_WINDOW
 from spec.errors import ConfigError
 
 KeyHash = Callable[[Hashable], int]
@@ -112,6 +113,8 @@ class CacheConfig:
       is copied to a host slot as it is saved; evicting it from its device slot
       then keeps it, host-only, for a later restore straight from the host
       ([R53]-[R56], docs/host-tier.md).
+    - `stats_window`: how many requests (matches) `stats.recent_hit_rate` looks
+      back over (an int > 0, default 1000 as vLLM's `CachingMetrics`; [R90]).
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
 
@@ -135,6 +138,7 @@ class CacheConfig:
     num_host_blocks: int = 0
     host_write: str = "through"
     num_host_checkpoint_slots: int = 0
+    stats_window: int = DEFAULT_STATS_WINDOW
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -154,6 +158,7 @@ class CacheConfig:
             allow_zero=True,
             limit=MAX_POOL_ENTRIES,
         )
+        _positive_int("stats_window", self.stats_window)
         if self.num_host_checkpoint_slots > 0 and self.num_checkpoint_slots == 0:
             raise ConfigError(
                 "CacheConfig.num_host_checkpoint_slots needs num_checkpoint_slots > 0: host "

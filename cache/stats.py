@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from spec.snapshot import STAT_COUNTERS
+
+DEFAULT_STATS_WINDOW = 1000
+"""Requests `recent_hit_rate` looks back over by default (vLLM's `CachingMetrics`)."""
 
 
 class CacheStats:
     """Running counters (see `spec.snapshot.STAT_COUNTERS` for each meaning).
 
-    `hit_rate` = hit_tokens / query_tokens. `peak_pins` is the most checkpoint
-    pins outstanding at once (a high-water mark `abort` never rolls back,
-    [R42]); `pins` the number outstanding now.
+    `hit_rate` = hit_tokens / query_tokens since the trie was built (or since
+    `reset()`); `recent_hit_rate` the same over the last `window` matches
+    ([R90]). `peak_pins` is the most checkpoint pins outstanding at once (a
+    high-water mark `abort` never rolls back, [R42]); `pins` the number
+    outstanding now.
     """
 
-    __slots__ = (*STAT_COUNTERS, "peak_pins", "pins")
+    __slots__ = (*STAT_COUNTERS, "peak_pins", "pins", "recent", "reset_serial", "resets", "window")
 
     queries: int
     query_tokens: int
@@ -36,15 +43,69 @@ class CacheStats:
     host_evicted_checkpoints: int
     peak_pins: int
     pins: int
+    recent: deque[tuple[int, int, int]]
+    """The last `window` matches not aborted, oldest first: `(sequence serial,
+    tokens queried, tokens hit)` ([R90]). `match` appends; `abort` removes its own."""
+    reset_serial: int
+    """No sequence with a serial above this was matched before the last `reset()` (0:
+    never reset); `abort` rolls back only the counters of a match made after it."""
+    resets: int
+    """How many times `reset()` ran (a metrics exporter's cue that counters restarted)."""
+    window: int
+    """How many matches `recent_hit_rate` looks back over (`CacheConfig.stats_window`)."""
 
-    def __init__(self) -> None:
-        for name in self.__slots__:
+    def __init__(self, window: int = DEFAULT_STATS_WINDOW) -> None:
+        if type(window) is not int or window <= 0:
+            raise ValueError(f"CacheStats: window must be an int > 0, got {window!r}")
+        for name in (*STAT_COUNTERS, "peak_pins", "pins", "reset_serial", "resets"):
             setattr(self, name, 0)
+        self.window = window
+        self.recent = deque(maxlen=window)
 
     @property
     def hit_rate(self) -> float:
         """Fraction of queried tokens served from cache (0.0 before any query)."""
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def recent_hit_rate(self) -> float:
+        """`hit_rate` over the last `window` matches ([R90]): their hit tokens over their
+        queried tokens (0.0 before any query). Read in O(window): for a scrape or a
+        log line, not per request."""
+        queried = hit = 0
+        for _, q, h in tuple(self.recent):  # one C call: a scrape thread may read it
+            queried += q
+            hit += h
+        return hit / queried if queried else 0.0
+
+    def reset(self) -> None:
+        """Start every counter again from 0 and empty the recent window ([R90]).
+
+        `pins` (outstanding now) stays, and `peak_pins` restarts from it. A match
+        made before the reset is not rolled back by a later `abort`: its counts
+        were reset already. What vLLM does on `reset_prefix_cache`'s stats reset.
+        """
+        for name in STAT_COUNTERS:
+            setattr(self, name, 0)
+        self.peak_pins = self.pins
+        recent = self.recent
+        if recent:  # every live sequence matched since the last reset is in it, or older
+            self.reset_serial = recent[-1][0]
+        recent.clear()
+        self.resets += 1
+
+    def forget_match(self, serial: int) -> bool:
+        """`abort` of the match that made sequence `serial`: take it out of the recent
+        window. Returns whether its counters are still counted (it was matched after
+        the last `reset`), so the caller rolls them back."""
+        if serial <= self.reset_serial:
+            return False
+        recent = self.recent
+        for i in range(len(recent) - 1, -1, -1):  # usually the newest
+            if recent[i][0] == serial:
+                del recent[i]
+                break
+        return True
 
     def counters(self) -> dict[str, int]:
         """The shared counters, as the snapshot carries them."""

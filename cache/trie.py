@@ -130,7 +130,7 @@ class BlockTrie:
         self._key_hash = config.key_hash
         self.faults = Faults()
         """Allocation-point fault injection, for tests of transactional behaviour."""
-        self.stats = CacheStats()
+        self.stats = CacheStats(config.stats_window)
         """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
         try:
             self._kv = KVBlockPool(
@@ -292,7 +292,16 @@ class BlockTrie:
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
-        """The KV pool tensor `[num_blocks, *kv_block_shape]` (None for ids only)."""
+        """The KV pool tensor `[num_blocks, *kv_block_shape]` (None for ids only).
+
+        Axis 0 is the block: `kv_cache[b]` is block id `b` of a `Sequence.block_ids`.
+        The layout inside a block (layers, K/V, the offset of a token within its
+        block) is the engine's choice: the trie only copies whole blocks (frozen
+        tails, host-tier stores and loads). A token at position `p` of a request
+        lives in block `block_ids[p // block_size]`, offset `p % block_size` on
+        whichever axis the engine keeps tokens (`cache.testing`'s model: shape
+        `(layers, 2, block_size, heads, head_dim)`, K at index 0 of axis 1, V at 1).
+        """
         return self._kv.tensor
 
     @property
@@ -505,6 +514,7 @@ class BlockTrie:
             stats.queries += 1
             stats.query_tokens += len(toks)
             stats.hit_tokens += hit
+            stats.recent.append((seq.serial, len(toks), hit))  # [R90]
             self._live[seq.serial] = seq
             return seq
         finally:
@@ -747,12 +757,13 @@ class BlockTrie:
         try:
             self._check_live(seq)
             stats = self.stats
-            stats.queries -= 1
-            stats.query_tokens -= seq.query_tokens
-            stats.hit_tokens -= seq.num_cached_tokens
-            stats.host_hit_tokens -= seq.num_host_tokens
-            if seq.restore is not None:
-                stats.checkpoint_hits -= 1
+            if stats.forget_match(seq.serial):  # [R90]: unless reset since
+                stats.queries -= 1
+                stats.query_tokens -= seq.query_tokens
+                stats.hit_tokens -= seq.num_cached_tokens
+                stats.host_hit_tokens -= seq.num_host_tokens
+                if seq.restore is not None:
+                    stats.checkpoint_hits -= 1
             self._drop(seq)
         finally:
             self._gate.release()

@@ -338,8 +338,10 @@ class ReferenceCache:
         num_host_blocks: int = 0,
         host_write: str = "through",
         num_host_checkpoint_slots: int = 0,
+        stats_window: int = 1000,
     ) -> None:
         for name, value, low in (
+            ("stats_window", stats_window, 1),
             ("block_size", block_size, 1),
             ("num_blocks", num_blocks, 1),
             ("num_checkpoint_slots", num_checkpoint_slots, 0),
@@ -377,6 +379,8 @@ class ReferenceCache:
         self._copies: list[ModelCopy] = []  # unreaped copies, oldest first
         self._receipts: list[ModelReceipt] = []  # outstanding explicit receipts
         self._stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
+        self._window = stats_window
+        self._recent: list[tuple[int, int, int]] = []  # [R90]: (sequence, queried, hit)
         self.fail_next_block_take = False
         """Fault injection, as the cache's `faults.arm()` on a KV take: the next time
         blocks are taken (after make-room, [R17]), raise `AllocationFailed` instead;
@@ -936,6 +940,9 @@ class ReferenceCache:
         }
         for name, value in seq._match_stats.items():
             self._stats[name] += value
+        self._recent = [*self._recent, (seq._id, len(toks), seq.num_cached_tokens)][
+            -self._window :
+        ]  # [R90]: the last `stats_window` matches
         self._sequences.append(seq)
         return seq
 
@@ -1112,7 +1119,22 @@ class ReferenceCache:
         s = self._check_seq(seq, "abort")
         for name, value in s._match_stats.items():  # [R21], [R42]
             self._stats[name] -= value
+        self._recent = [r for r in self._recent if r[0] != s._id]  # [R90]
         self._end(s)
+
+    def reset_stats(self) -> None:
+        """`stats.reset()` ([R90]): every counter to 0, the recent window emptied; a
+        live match has nothing left for its abort to roll back."""
+        self._stats = dict.fromkeys(STAT_COUNTERS, 0)
+        self._recent = []
+        for s in self._sequences:
+            s._match_stats = {}
+
+    @property
+    def recent_hit_rate(self) -> float:
+        """Hit tokens over queried tokens of the last `stats_window` matches ([R90])."""
+        queried = sum(q for _, q, _ in self._recent)
+        return sum(h for _, _, h in self._recent) / queried if queried else 0.0
 
     def _end(self, s: ModelSequence) -> None:
         s._holds_match_pin = False

@@ -1,7 +1,11 @@
-"""Contract details of `cache.stats.CacheStats` (mutation survivors): `as_dict` and repr."""
+"""Contract details of `cache.stats.CacheStats`: `as_dict` and repr (mutation survivors),
+the recent window and `reset()` ([R90])."""
 
 from __future__ import annotations
 
+import pytest
+
+from cache import BlockTrie, CacheConfig, ConfigError
 from cache.stats import CacheStats
 from spec.snapshot import STAT_COUNTERS
 
@@ -65,3 +69,55 @@ def test_counters_reads_each_counter_under_its_own_name() -> None:
     for i, name in enumerate(STAT_COUNTERS):
         setattr(stats, name, 100 + i)
     assert stats.counters() == {name: 100 + i for i, name in enumerate(STAT_COUNTERS)}
+
+
+def _trie(window: int = 1000) -> BlockTrie:
+    return BlockTrie(CacheConfig(block_size=2, num_blocks=8, stats_window=window))
+
+
+def test_recent_hit_rate_covers_the_last_window_matches() -> None:
+    """[R90]: with `stats_window=2`, only the last two matches count."""
+    trie = _trie(2)
+    seq = trie.match([1, 2, 3])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 3)
+    trie.release(seq)  # 3 queried, 0 hit
+    assert trie.stats.recent_hit_rate == 0.0
+    trie.release(trie.match([1, 2, 3]))  # 3 queried, 2 hit
+    assert trie.stats.recent_hit_rate == 2 / 6
+    trie.release(trie.match([1, 2, 5]))  # 3 queried, 2 hit: the first falls out
+    assert trie.stats.recent_hit_rate == 4 / 6
+    assert trie.stats.hit_rate == 4 / 9
+
+
+def test_abort_takes_its_match_out_of_the_window() -> None:
+    trie = _trie()
+    seq = trie.match([1, 2, 3])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 3)
+    trie.release(seq)
+    trie.abort(trie.match([1, 2, 3]))
+    assert trie.stats.recent_hit_rate == 0.0
+    assert len(trie.stats.recent) == 1
+
+
+def test_reset_zeroes_counters_and_a_later_abort_rolls_nothing_back() -> None:
+    """[R90]: a match made before `reset()` is not un-counted by its abort (no
+    negative counters); one made after is."""
+    trie = _trie()
+    early = trie.match([1, 2, 3])
+    trie.stats.reset()
+    assert trie.stats.counters() == dict.fromkeys(STAT_COUNTERS, 0)
+    assert trie.stats.recent_hit_rate == 0.0 and trie.stats.resets == 1
+    late = trie.match([4, 5, 6])
+    trie.abort(early)
+    assert trie.stats.queries == 1 and trie.stats.query_tokens == 3
+    trie.abort(late)
+    assert trie.stats.counters() == dict.fromkeys(STAT_COUNTERS, 0)
+
+
+def test_stats_window_must_be_a_positive_int() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="stats_window"):
+            CacheConfig(block_size=2, num_blocks=8, stats_window=bad)  # type: ignore[arg-type]
+    assert CacheConfig(block_size=2, num_blocks=8).stats_window == 1000

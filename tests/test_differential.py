@@ -128,6 +128,7 @@ class CacheVersusModel(RuleBasedStateMachine):
                 num_host_blocks=host,
                 host_write=host_write,
                 num_host_checkpoint_slots=host_slots,
+                stats_window=num_blocks - 2,  # small: matches fall out of it ([R90])
             ),
             copies=self.manual,
         )
@@ -139,6 +140,7 @@ class CacheVersusModel(RuleBasedStateMachine):
             num_host_blocks=host,
             host_write=host_write,
             num_host_checkpoint_slots=host_slots,
+            stats_window=num_blocks - 2,
         )
         self.patterns = 0
         self.saved: dict[tuple[Any, ...], float] = {}
@@ -500,6 +502,13 @@ class CacheVersusModel(RuleBasedStateMachine):
         self._check_restored_data()
 
     @rule()
+    def reset_stats(self) -> None:
+        """`stats.reset()` ([R90]): counters restart; a later abort of an earlier
+        match rolls nothing back."""
+        self.cache.stats.reset()
+        self.model.reset_stats()
+
+    @rule()
     def poll(self) -> None:
         out = self.both(self.cache.poll, self.model.poll)
         assert out is not None and out[0] == out[1]
@@ -577,6 +586,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         real, model = observe(self.cache.snapshot()), observe(self.model.snapshot())
         for key in real:
             assert real[key] == model[key], f"{key}: cache {real[key]!r} != model {model[key]!r}"
+        assert self.cache.stats.recent_hit_rate == self.model.recent_hit_rate
         assert self.cache.num_free_blocks == self.model.num_free_blocks
         assert self.cache.num_cached_blocks == self.model.num_cached_blocks
         assert self.cache.num_free_checkpoint_slots == self.model.num_free_checkpoint_slots
