@@ -92,6 +92,11 @@ class CacheConfig:
       ids-only state pool (capacity planning).
     - `state_dtype`: the checkpoint pool's `torch.dtype` (default float32); runtime
       state of another dtype is converted by the copies.
+    - `state_dtypes`: per named state, its own `torch.dtype` (default: none listed),
+      for hybrids that keep conv state in the model dtype and the recurrent state
+      in float32 (`{"conv": torch.bfloat16, "ssm": torch.float32}`); a state not
+      listed is stored as `state_dtype`. Each name must be one of `state_shapes`.
+      `state_dtype_of(name)` reads the result.
     - `device`: where the pools live ("cpu", "cuda", "cuda:1", a torch.device).
     - `enable_events` (a bool, default False, as in vLLM): emit BlockStored /
       BlockRemoved / AllBlocksCleared (and checkpoint events in their own group).
@@ -130,6 +135,7 @@ class CacheConfig:
     num_checkpoint_slots: int = 0
     state_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     state_dtype: torch.dtype = torch.float32
+    state_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     device: str | torch.device = "cpu"
     enable_events: bool = False
     key_hash: KeyHash | None = None
@@ -204,6 +210,19 @@ class CacheConfig:
         for name in ("kv_dtype", "state_dtype"):
             if not isinstance(getattr(self, name), torch.dtype):
                 raise ConfigError(f"CacheConfig.{name} must be a torch.dtype")
+        if not isinstance(self.state_dtypes, Mapping):
+            raise ConfigError("CacheConfig.state_dtypes must be a mapping of state name -> dtype")
+        dtypes: dict[str, torch.dtype] = {}
+        for name, dtype in self.state_dtypes.items():
+            if name not in shapes:
+                raise ConfigError(
+                    f"CacheConfig.state_dtypes names {name!r}, which is not a state of "
+                    f"state_shapes {sorted(shapes)}"
+                )
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"CacheConfig.state_dtypes[{name!r}] must be a torch.dtype")
+            dtypes[name] = dtype
+        object.__setattr__(self, "state_dtypes", dtypes)
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -265,9 +284,17 @@ class CacheConfig:
             return 0
         return _numel(self.kv_block_shape) * _itemsize(self.kv_dtype)
 
+    def state_dtype_of(self, name: str) -> torch.dtype:
+        """The dtype state `name`'s checkpoints are stored in: its `state_dtypes`
+        entry, else `state_dtype`."""
+        return self.state_dtypes.get(name, self.state_dtype)
+
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one checkpoint slot across all named states."""
-        return sum(_numel(s) for s in self.state_shapes.values()) * _itemsize(self.state_dtype)
+        """Bytes of one checkpoint slot across all named states, each in its dtype."""
+        return sum(
+            _numel(shape) * _itemsize(self.state_dtype_of(name))
+            for name, shape in self.state_shapes.items()
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

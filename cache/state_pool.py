@@ -51,6 +51,9 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
 class CheckpointSlotPool:
     """Owns `num_slots` checkpoint slots: per state name a `[num_slots, *shape]` tensor.
 
+    `dtype`: one `torch.dtype` for every state, or a mapping of state name to
+    dtype (`CacheConfig.state_dtype_of`), each tensor in its own.
+
     `name` labels its errors ("checkpoint pool", "host checkpoint pool");
     `pin_memory` page-locks a host pool that copies to a CUDA device read.
 
@@ -75,7 +78,7 @@ class CheckpointSlotPool:
         self,
         num_slots: int,
         shapes: Mapping[str, tuple[int, ...]],
-        dtype: torch.dtype,
+        dtype: torch.dtype | Mapping[str, torch.dtype],
         device: torch.device,
         faults: Faults,
         *,
@@ -89,10 +92,11 @@ class CheckpointSlotPool:
         it): what no runtime tensor may overlap ([R63])."""
         self.name = name
         self._fault_point = "slots.take" if name == "checkpoint pool" else "host_slots.take"
+        dtypes = dtype if isinstance(dtype, Mapping) else dict.fromkeys(self.shapes, dtype)
         self.tensors: dict[str, torch.Tensor] = (
             {
                 name: torch.zeros(
-                    (num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory
+                    (num_slots, *shape), dtype=dtypes[name], device=device, pin_memory=pin_memory
                 )
                 for name, shape in self.shapes.items()
             }

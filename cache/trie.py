@@ -132,6 +132,7 @@ class BlockTrie:
         """Allocation-point fault injection, for tests of transactional behaviour."""
         self.stats = CacheStats(config.stats_window)
         """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
+        state_dtypes = {name: config.state_dtype_of(name) for name in config.state_shapes}
         try:
             self._kv = KVBlockPool(
                 config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
@@ -139,7 +140,7 @@ class BlockTrie:
             self._slots = CheckpointSlotPool(
                 config.num_checkpoint_slots,
                 config.state_shapes,
-                config.state_dtype,
+                state_dtypes,
                 self.device,
                 self.faults,
             )
@@ -155,7 +156,7 @@ class BlockTrie:
             host_slots = CheckpointSlotPool(
                 config.num_host_checkpoint_slots,
                 config.state_shapes,
-                config.state_dtype,
+                state_dtypes,
                 torch.device("cpu"),
                 self.faults,
                 name="host checkpoint pool",

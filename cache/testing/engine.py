@@ -158,9 +158,10 @@ class Engine:
                 f"Engine: the trie's state_shapes {dict(trie.config.state_shapes)} do not match "
                 f"the model's {model.state_shapes()}"
             )
-        if model.state_shapes() and trie.config.state_dtype != model.dtype:
+        stored = {name: trie.config.state_dtype_of(name) for name in model.state_shapes()}
+        if any(dtype != model.dtype for dtype in stored.values()):
             raise ValueError(
-                f"Engine: checkpoints would be stored as {trie.config.state_dtype}, the model's "
+                f"Engine: checkpoints would be stored as {stored}, the model's "
                 f"state is {model.dtype} (a restored state would not be the saved one)"
             )
         if model.state_shapes() and trie.config.num_checkpoint_slots == 0:
