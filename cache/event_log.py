@@ -159,6 +159,7 @@ class EventLog:
         "chain_packed",
         "enabled",
         "hasher",
+        "lora_ids",
         "nodes",
         "plain_digest",
     )
@@ -168,6 +169,8 @@ class EventLog:
         self.nodes: NodeTable | None = None
         """The trie's nodes, which events name (set by the trie once it has them)."""
         self._events: list[Event | StoredRun] = []
+        self.lora_ids: dict[str, int] = {}
+        """Namespace -> the `lora_id` its events carry (`BlockTrie.bind_lora`, [R91])."""
         # What every event recorded so far replays to, per group and medium.
         self._gpu_view = BlockBitmap()
         self._checkpoint_view = BlockBitmap()
@@ -290,12 +293,14 @@ class EventLog:
             tokens = b"".join(keys)  # type: ignore[arg-type]
         except TypeError:
             tokens = b""
-        if len(tokens) != 4 * block_size * len(keys):  # not plain uint32 blocks
-            self._emit(
-                _stored_from_keys(
-                    parent_hash, hashes, keys, blocks[start:stop], block_size, namespace
-                )
+        lora_ids = self.lora_ids
+        if len(tokens) != 4 * block_size * len(keys) or (lora_ids and namespace in lora_ids):
+            # not plain uint32 blocks, or a bound LoRA id: built now, not a stored run
+            event = _stored_from_keys(
+                parent_hash, hashes, keys, blocks[start:stop], block_size, namespace
             )
+            lora_id = lora_ids.get(namespace) if lora_ids else None
+            self._emit(event if lora_id is None else event._replace(lora_id=lora_id))
             return
         stored = blocks[start:stop]
         self._events.append((parent_hash, hashes, tokens, stored, block_size, namespace))
@@ -376,6 +381,7 @@ class EventLog:
                     KV_GROUP,
                     KIND_FULL_ATTENTION,
                     (extra_keys(extra, namespace),) if namespace or extra is not None else None,
+                    self.lora_ids.get(namespace),
                 )
             )
 
@@ -406,6 +412,7 @@ class EventLog:
                     namespace,
                     extra_keys=extra_keys(t.extra_of(anchor), namespace),
                     medium=MEDIUM_CPU,
+                    lora_id=self.lora_ids.get(namespace),
                 )
             )
             return
@@ -427,6 +434,7 @@ class EventLog:
                 block_size,
                 namespace,
                 extra_keys=extra_keys(extra, namespace),
+                lora_id=self.lora_ids.get(namespace),
             )
         )
 

@@ -60,7 +60,7 @@ class BlockStored(NamedTuple):
     ints on demand; it equals and hashes like the tuple). `extra_keys`, when
     not None, holds one entry per block: vLLM's extra keys of that block (a tuple, or None), as
     `cache.block_hash.extra_keys` builds them. `lora_id` is vLLM's deprecated
-    integer adapter id, None unless an engine maps namespaces to ids.
+    integer adapter id: None unless `BlockTrie.bind_lora` bound the namespace to one.
     """
 
     block_hashes: tuple[int, ...]
@@ -150,8 +150,10 @@ def checkpoint_stored(
     *,
     extra_keys: tuple[object, ...] | None = None,
     medium: str = MEDIUM_GPU,
+    lora_id: int | None = None,
 ) -> BlockStored:
-    """The event for a checkpoint published in `slot` (hybrid models).
+    """The event for a checkpoint published in `slot` (hybrid models); `lora_id` as
+    `BlockTrie.bind_lora` bound the namespace.
 
     As for every stored block, `checkpoint_hash` is the chain hash of
     `token_ids` (with `extra_keys`) under `parent_block_hash` (the namespace
@@ -176,6 +178,7 @@ def checkpoint_stored(
         CHECKPOINT_GROUP,
         KIND_MAMBA,
         None if extra_keys is None else (extra_keys,),
+        lora_id,
     )
 
 

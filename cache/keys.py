@@ -49,6 +49,23 @@ def unpack_tokens(packed: bytes) -> tuple[int, ...]:
     return tuple(array(U32, packed))
 
 
+def salted(extra: tuple[Hashable, ...] | None, salt: str) -> tuple[Hashable, ...]:
+    """`extra` with vLLM's `cache_salt` folded into block 0's identity ([R91]).
+
+    Block 0's identity becomes a tuple: its own extra keys (none for None, the
+    items of a tuple, else the value itself), then `salt`, which is where vLLM's
+    `generate_block_hash_extra_keys` puts the salt (after the multimodal keys,
+    block 0 only); later blocks keep theirs. So `cache.block_hash.extra_keys` of
+    block 0 is vLLM's extra keys for it, and a salted request shares no node with
+    an unsalted one or one salted otherwise.
+    """
+    first = block_identity(extra, 0)
+    own: tuple[Hashable, ...] = (
+        () if first is None else first if isinstance(first, tuple) else (first,)
+    )
+    return ((*own, salt), *(extra or ())[1:])
+
+
 def block_identity(extra: tuple[Hashable, ...] | None, index: int) -> Hashable:
     """The extra identity of block `index`: `extra[index]`, None past its end ([R5])."""
     return extra[index] if extra is not None and index < len(extra) else None

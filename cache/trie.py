@@ -55,7 +55,7 @@ from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
 from cache.host_tier import HostTier
-from cache.keys import request_keys
+from cache.keys import request_keys, salted
 from cache.kv_pool import KVBlockPool
 from cache.node import (
     MANY,
@@ -73,6 +73,7 @@ from cache.stats import CacheStats
 from cache.transfers import Transfers
 from cache.validation import (
     TokenIds,
+    cache_salt_arg,
     extend_tokens,
     extra_tuple,
     int_arg,
@@ -439,8 +440,20 @@ class BlockTrie:
 
     # ----------------------------------------------------------------- match
 
-    def match(self, tokens: TokenIds, namespace: str = "", extra: object = None) -> Sequence:
+    def match(
+        self,
+        tokens: TokenIds,
+        namespace: str = "",
+        extra: object = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Sequence:
         """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
+
+        `cache_salt` (vLLM's): folded into block 0's extra identity as vLLM folds
+        it into that block's extra keys ([R91]), so that salted requests share
+        cache only with requests of the same salt, and under `block_hash="vllm"`
+        publish vLLM's hashes; None or "" is no salt. `seq.extra` shows the fold.
 
         Returns a live `Sequence` whose `num_cached_tokens` is the hit ([R13]):
         attention-only, the longest cached full-block prefix; SSM, the step of
@@ -458,6 +471,10 @@ class BlockTrie:
             if type(namespace) is not str or not namespace.isascii():
                 namespace = namespace_arg(namespace)  # [R60]: refused unless exactly a str
             ext = None if extra is None else extra_tuple(extra)  # [R60]: owned from here on
+            if cache_salt is not None:
+                salt = cache_salt_arg(cache_salt)  # [R60]
+                if salt:
+                    ext = salted(ext, salt)  # [R91]
             size = self._block_size
             keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
             root = self._roots.get(namespace)
@@ -958,6 +975,32 @@ class BlockTrie:
             self._gate.release()
 
     # ---------------------------------------------------------------- events
+
+    def bind_lora(self, namespace: str, lora_id: int | None) -> None:
+        """Events of `namespace` carry `lora_id` from now on ([R91]): vLLM's integer
+        adapter id (`LoRARequest.lora_int_id`, an int > 0), beside the namespace as
+        `lora_name`; None unbinds (events carry `lora_id=None` again). Events
+        already recorded keep the id they were recorded with. Changes nothing
+        else: the namespace alone decides what is shared. Raises `InvalidType` /
+        `InvalidArgument` for a namespace that is not a str or an id that is not
+        an int > 0.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("bind_lora()")
+        try:
+            if not isinstance(namespace, str):
+                raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
+            if lora_id is None:
+                self._events.lora_ids.pop(namespace, None)
+                return
+            lora_id = int_arg("lora_id", lora_id)
+            if not 0 < lora_id < 2**63:
+                raise InvalidArgument(
+                    f"bind_lora: lora_id must be in 1..2**63-1 (vLLM's ids are > 0), got {lora_id}"
+                )
+            self._events.lora_ids[namespace] = lora_id
+        finally:
+            self._gate.release()
 
     def drain_events(self) -> list[Event]:
         """Return and forget the events emitted since the last drain (invariant 10)."""

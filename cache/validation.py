@@ -216,6 +216,19 @@ def namespace_arg(namespace: object) -> str:
     return namespace
 
 
+def cache_salt_arg(salt: object) -> str | None:
+    """`match`'s `cache_salt` ([R91]): None, or exactly a `str` holding valid Unicode
+    ([R60]: it becomes part of block 0's identity); "" is no salt (None), as in vLLM."""
+    if salt is None:
+        return None
+    if type(salt) is not str:
+        exactly = " (exactly, not a subclass)" if isinstance(salt, str) else ""
+        raise InvalidType(f"cache_salt must be a str{exactly} or None, got {type(salt).__name__}")
+    if not salt.isascii():
+        _check_unicode(salt, "cache_salt")
+    return salt or None
+
+
 def extra_tuple(extra: object) -> tuple[Identity, ...] | None:
     """Per-block extra identities as a tuple the cache owns (None stays None) ([R60]).
 

@@ -853,10 +853,23 @@ class ReferenceCache:
         tokens: Sequence[int],
         namespace: str = "",
         extra: Sequence[Hashable] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> ModelSequence:
         toks = _check_tokens(tokens, "match", nonempty=True)
         ns = _check_namespace(namespace)
         ext = _check_extra(extra)
+        if cache_salt is not None:  # [R60]: exactly a str, valid Unicode
+            if type(cache_salt) is not str:
+                raise InvalidType(
+                    f"cache_salt must be exactly a str, got {type(cache_salt).__name__}"
+                )
+            if not _valid_unicode(cache_salt):
+                raise InvalidArgument(f"cache_salt {cache_salt!r} holds a lone surrogate")
+        if cache_salt:  # [R91]: block 0's extra keys, then the salt, as vLLM folds it
+            first = _identity(ext, 0)
+            own = () if first is None else first if isinstance(first, tuple) else (first,)
+            ext = ((*own, cache_salt), *(ext[1:] if ext else ()))
         B = self._B
         root = self._roots.get(ns)
         if root is None:  # [R11]

@@ -53,6 +53,7 @@ TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=8)
 NAMESPACES = st.sampled_from(["", "ns"])
 EXTRAS = st.one_of(st.none(), st.lists(st.sampled_from([None, "img"]), max_size=3))
 FRACTION = st.floats(0.0, 1.0)
+SALTS = st.sampled_from([None, None, None, "", "s", "t"])
 
 
 def _code(namespace: str, prefix: tuple[int, ...]) -> float:
@@ -199,11 +200,18 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
-    def match(self, tokens: list[int], namespace: str, extra: list[str | None] | None) -> Any:
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS, salt=SALTS)
+    def match(
+        self,
+        tokens: list[int],
+        namespace: str,
+        extra: list[str | None] | None,
+        salt: str | None = None,
+    ) -> Any:
+        """`salt`: vLLM's cache_salt ([R91]), folded into block 0's identity."""
         out = self.both(
-            lambda: self.cache.match(tokens, namespace=namespace, extra=extra),
-            lambda: self.model.match(tokens, namespace=namespace, extra=extra),
+            lambda: self.cache.match(tokens, namespace=namespace, extra=extra, cache_salt=salt),
+            lambda: self.model.match(tokens, namespace=namespace, extra=extra, cache_salt=salt),
         )
         assert out is not None
         real, model = out
