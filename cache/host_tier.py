@@ -6,13 +6,17 @@
   block, a request that matched it holds one until it loads it or ends
   (`BlockTrie.match`), and an in-flight store or load copy holds one until it
   is reaped;
-- the host eviction index: an `LRUIndex` holding *exactly* the `offloaded`
+- the host eviction indexes: with write-back, the *duplicates*, an `LRUIndex`
+  holding exactly the `mirrored` nodes whose host block nobody else holds,
+  newest-created first (a child before its parent), which host pressure
+  reclaims first ([R92]); and an `LRUIndex` holding *exactly* the `offloaded`
   nodes with no children whose host block nobody else holds, by
   `(tick, serial)` ([R10]);
 - every `spec.lifecycle.RESIDENCY` transition: a store queued at commit
   ([R47]), its outcome when reaped, device eviction of a mirrored leaf
   (`offload`, [R48]), a load ([R50]), a commit that computed a host-resident
-  block itself (`adopt`, [R49]), and host eviction ([R51]).
+  block itself (`adopt`, [R49]), host eviction ([R51]) and the reclaiming of
+  a duplicate's host copy (`drop_copy`, [R92]).
 
 The device side (the device block, the owner map, node states, the device
 eviction index) stays the `Evictor`'s; this module asks it to attach or
@@ -60,6 +64,8 @@ _FINISHED_STORE: dict[str, str] = {
 """The `RESIDENCY` table's `stored` row (only `storing` has one), read the same way."""
 _STORE = CopyKind.STORE.value
 _LOADING = Residency.LOADING.value
+_MIRRORED = Residency.MIRRORED.value
+_DROP_COPY = ResidencyTrigger.DROP_COPY.value
 # Plain-str triggers: table lookups skip the enum's Python __hash__ (the load hot path).
 _LOAD = ResidencyTrigger.LOAD.value
 _LOADED = ResidencyTrigger.LOADED.value
@@ -75,6 +81,8 @@ class HostTier:
         "_evictor",
         "_kv",
         "_stats",
+        "duplicates",
+        "duplicates_first",
         "index",
         "loading",
         "nodes",
@@ -89,6 +97,8 @@ class HostTier:
         kv: KVBlockPool,
         stats: CacheStats,
         events: EventLog,
+        *,
+        duplicates_first: bool = False,
     ) -> None:
         self.nodes = nodes
         """The trie's nodes (`cache.node.NodeTable`)."""
@@ -98,6 +108,14 @@ class HostTier:
         self._events = events
         self._evictor: Evictor | None = None
         self.index: LRUIndex[Node] = LRUIndex(nodes.tick.__getitem__, nodes.serial.__getitem__)
+        serial = nodes.serial.__getitem__
+        self.duplicates: LRUIndex[Node] = LRUIndex(lambda node: -serial(node), serial)
+        """With write-back, the `mirrored` nodes whose host block only they hold,
+        newest-created first (a child before its parent) ([R92]): keyed by what
+        never changes, so a tick set while one is held needs no re-indexing.
+        Empty with write-through."""
+        self.duplicates_first = duplicates_first
+        """Whether host pressure reclaims duplicates first (write-back, [R92])."""
         self.loading: dict[Node, Copy] = {}
         """Each `loading` node's load copy, until it is reaped."""
         self.write_backs: dict[int, Copy] = {}
@@ -171,11 +189,13 @@ class HostTier:
 
     def settle(self, node: Node) -> None:
         """Put `node` in the host eviction index iff it is eligible (an `offloaded`
-        leaf whose host block only the trie holds), keeping invariant 7.
+        leaf whose host block only the trie holds), keeping invariant 7; and in
+        the duplicates iff it is `mirrored` and only it holds its host block ([R92]).
 
-        A node that is not `offloaded` is never in the index (every way out of
-        `offloaded` leaves the index first: a match's `pin`, `adopt`, eviction),
-        so it needs no look."""
+        A node that is not `offloaded` is never in the host index (every way out
+        of `offloaded` leaves the index first: a match's `pin`, `adopt`,
+        eviction), so it needs no look there."""
+        self._settle_duplicate(node)
         t = self.nodes
         if t.state[node] != _OFFLOADED:
             return
@@ -186,6 +206,20 @@ class HostTier:
             else:
                 self.index.remove(node)
 
+    def _settle_duplicate(self, node: Node) -> None:
+        """Put `node` in the duplicates iff it is `mirrored` and only it holds its
+        host block ([R92])."""
+        if not self.duplicates_first:
+            return
+        t = self.nodes
+        duplicate = t.residency[node] == _MIRRORED and self.pool.refs[t.host[node]] == 1
+        duplicates = self.duplicates
+        if duplicate != (node in duplicates):
+            if duplicate:
+                duplicates.add(node)
+            else:
+                duplicates.remove(node)
+
     def _unindex(self, node: Node) -> None:
         if node in self.index:
             self.index.remove(node)
@@ -193,19 +227,19 @@ class HostTier:
     # ---------------------------------------------------------------- store
 
     def reserve_for_store(self) -> int | None:
-        """A host block for a new store, evicting the LRU host leaf if none is free
-        ([R47]); None when the host tier is full of blocks it may not evict."""
+        """A host block for a new store, evicting one if none is free ([R47], [R92]);
+        None when the host tier is full of blocks it may not evict."""
         blocks = self.reserve_for_stores(1)
         return blocks[0] if blocks else None
 
     def reserve_for_stores(self, n: int) -> list[int]:
-        """Up to `n` host blocks for new stores, in one take, evicting LRU host leaves
-        for the ones not free ([R47]); fewer when the host tier has no more, none
+        """Up to `n` host blocks for new stores, in one take, evicting (`evict`) for
+        the ones not free ([R47]); fewer when the host tier has no more, none
         when taking them fails (a store is best effort: the commit or eviction
         that asked stands)."""
         pool = self.pool
         short = n - pool.num_free
-        if short > 0 and self.index:
+        if short > 0 and (self.duplicates or self.index):
             self.evict(short)
         try:
             return pool.take(min(n, pool.num_free))
@@ -246,6 +280,8 @@ class HostTier:
                 )
             self._stats.stored_blocks += len(copy.nodes)
             self._events.host_stored(copy.nodes)
+            for node in copy.nodes:
+                self._settle_duplicate(node)
             return
         for node in copy.nodes:
             residency[node] = RESIDENCY.step(
@@ -311,6 +347,7 @@ class HostTier:
         t = self.nodes
         t.residency[node] = RESIDENCY.step(ResidencyTrigger.ADOPT, t.residency[node], t.named(node))
         self._unindex(node)
+        self._settle_duplicate(node)  # unless a request still holds its host block
 
     # ------------------------------------------------------------- unpin
 
@@ -332,9 +369,12 @@ class HostTier:
     # ------------------------------------------------------------ eviction
 
     def evict(self, n: int) -> int:
-        """Free up to `n` host blocks, LRU host-only leaves first ([R51]); returns how
-        many. A parent left an offloaded leaf is evictable next."""
-        freed = 0
+        """Free up to `n` host blocks: with write-back, the host copies of duplicates
+        first ([R92]: `mirrored` blocks, still on the device, stored again if the
+        device evicts them: nothing is lost), newest-created first; then LRU
+        host-only leaves ([R51]). Returns how many. A parent left an offloaded
+        leaf is evictable next."""
+        freed = self._drop_copies(n) if self.duplicates else 0
         index = self.index
         t = self.nodes
         removed: list[Node] = []
@@ -352,8 +392,32 @@ class HostTier:
         self._events.host_removed(removed)
         for node in removed:
             t.release(node)
-        self._stats.host_evicted_blocks += freed
+        self._stats.host_evicted_blocks += len(removed)
         return freed
+
+    def _drop_copies(self, n: int) -> int:
+        """Reclaim the host blocks of up to `n` duplicates, newest first ([R92]): each
+        node stays attached with its device block, residency `device`. Counted in
+        `host_evicted_blocks`, announced as removed from the host (medium CPU)."""
+        duplicates = self.duplicates
+        dropped: list[Node] = []
+        while len(dropped) < n and duplicates:
+            node = duplicates.oldest()
+            duplicates.remove(node)
+            dropped.append(node)
+        self._events.host_removed(dropped)
+        t = self.nodes
+        pool = self.pool
+        residency = t.residency
+        for node in dropped:
+            residency[node] = RESIDENCY.step(_DROP_COPY, residency[node], t.named(node))
+            if not pool.decref(t.host[node]):
+                raise InvariantViolation(
+                    "host conservation", f"dropped the host copy of {t.describe(node)}: still held"
+                )
+            t.host[node] = NO_BLOCK
+        self._stats.host_evicted_blocks += len(dropped)
+        return len(dropped)
 
     def _free(self, node: Node) -> Node:
         """Detach `node`, an offloaded leaf out of the index, freeing its host block;

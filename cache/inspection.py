@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from cache.node import NO_NODE, state_name
 from spec import invariants
-from spec.lifecycle import CopyState
+from spec.errors import InvariantViolation
+from spec.lifecycle import CopyState, Residency
 from spec.snapshot import CheckpointView, CopyView, NodeView, SequenceView, Snapshot
 
 _QUEUED = CopyState.QUEUED.value
@@ -130,4 +131,21 @@ def snapshot(trie: BlockTrie) -> Snapshot:
 
 def check(trie: BlockTrie) -> None:
     """Verify every spec invariant on `trie`; raises `InvariantViolation`."""
-    invariants.check_all(snapshot(trie))
+    snap = snapshot(trie)
+    invariants.check_all(snap)
+    host = trie._host
+    if host is not None and host.duplicates_first:  # [R92]: the duplicates index
+        serial = trie._nodes.serial
+        have = sorted(serial[n] for n in host.duplicates)
+        want = sorted(
+            nid
+            for nid, node in snap["nodes"].items()
+            if node["residency"] == Residency.MIRRORED.value
+            and node["block_host"] is not None
+            and snap["host_refcounts"].get(node["block_host"], 0) == 1
+        )
+        if have != want:
+            raise InvariantViolation(
+                "explicit_state",
+                f"host duplicates index {have} != mirrored nodes only they hold {want}",
+            )

@@ -209,7 +209,14 @@ class BlockTrie:
             self._checkpoints.host_slots = host_slots
         self._host: HostTier | None = None
         if config.host_tier:
-            self._host = HostTier(self._nodes, host_pool, self._kv, self.stats, self._events)
+            self._host = HostTier(
+                self._nodes,
+                host_pool,
+                self._kv,
+                self.stats,
+                self._events,
+                duplicates_first=config.host_write == "back",  # [R92]
+            )
         self._host_pool = host_pool
         self._evictor = Evictor(
             self._nodes, self._kv, self._checkpoints, self.stats, self._events, self._host

@@ -145,6 +145,7 @@ class ResidencyTrigger(str, Enum):
     LOADED = "loaded"
     LOAD_FAILED = "load_failed"
     ADOPT = "adopt"
+    DROP_COPY = "drop_copy"
 
     def __hash__(self) -> int:
         return str.__hash__(self)
@@ -232,6 +233,7 @@ RESIDENCY_TRANSITIONS: tuple[tuple[ResidencyTrigger, tuple[Residency, ...], Resi
     (ResidencyTrigger.LOADED, (Residency.LOADING,), Residency.MIRRORED),
     (ResidencyTrigger.LOAD_FAILED, (Residency.LOADING,), Residency.HOST),
     (ResidencyTrigger.ADOPT, (Residency.HOST,), Residency.MIRRORED),
+    (ResidencyTrigger.DROP_COPY, (Residency.MIRRORED,), Residency.DEVICE),
 )
 """The KV residency lifecycle as `(trigger, sources, destination)`.
 
@@ -241,7 +243,9 @@ slot directly. `store` is queued when a block is committed (write-through); `off
 device eviction of a mirrored block (only its device block is freed); `load`
 is `BlockTrie.load` taking a device block for a host-resident one; `adopt` is a
 commit that computed a host-resident block itself (its block becomes the
-device copy). No transition leaves `storing` or `loading` except the copy's
+device copy); `drop_copy` is host pressure reclaiming the host copy of a
+block still on the device, which host eviction takes before any host-only
+block ([R92]). No transition leaves `storing` or `loading` except the copy's
 own outcome: nothing evicts, frees or reuses a block a copy still reads or
 writes (`RESIDENCY_PINS`).
 """
@@ -258,7 +262,10 @@ RESIDENCY_PINS: dict[Residency, tuple[str, ...]] = {
 RESIDENCY_EVICTIONS: dict[Residency, str] = {
     Residency.DEVICE: "device eviction frees the node (and any host-only nodes below it)",
     Residency.STORING: "none: the store copy holds the device block",
-    Residency.MIRRORED: "device eviction frees the device block; the node stays, `host`",
+    Residency.MIRRORED: (
+        "device eviction frees the device block; the node stays, `host`; host eviction "
+        "frees the host block first ([R92]); the node stays, `device`"
+    ),
     Residency.HOST: "host eviction frees the node once it is a leaf no request reads",
     Residency.LOADING: "none: the load copy holds both blocks",
 }

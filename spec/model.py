@@ -613,8 +613,25 @@ class ReferenceCache:
         return out
 
     def _evict_host(self, n: int) -> int:
-        """Host eviction ([R51]): LRU offloaded leaves no request or copy holds."""
-        freed = 0
+        """Host eviction: with write-back, first the host copies of mirrored nodes no
+        request or copy holds, newest-created first ([R92]); then LRU offloaded
+        leaves no request or copy holds ([R51])."""
+        hrc = self._host_refcounts()
+        duplicates = sorted(
+            (
+                node
+                for node in self._nodes
+                if self._write_back
+                and node.residency == Residency.MIRRORED.value
+                and node.host is not None
+                and hrc[node.host] == 1
+            ),
+            key=lambda node: -node.serial,
+        )[:n]
+        for node in duplicates:
+            node.residency = RESIDENCY.step(ResidencyTrigger.DROP_COPY, node.residency)
+            node.host = None
+        freed = len(duplicates)  # counted with the leaves below
         while freed < n:
             index = self._host_index()
             if not index:

@@ -892,3 +892,40 @@ def test_each_host_tier_step_refuses_a_node_in_the_wrong_state_naming_it() -> No
         refused_changing_nothing(trie, attempt, transition, node)
     trie.release(held)
     trie.check()
+
+
+def test_write_back_host_pressure_reclaims_a_duplicate_before_any_host_only_block() -> None:
+    """[R92]: with write-back, a full host tier gives up the host copy of a block still
+    on the device (it is stored again if the device evicts it) rather than a
+    host-only block, or rather than losing the block being written back."""
+    trie, _ = host_trie(num_blocks=8, host_blocks=1, host_write="back")
+    x, y = [1, 1, 9], [4, 4, 9]
+    serve(trie, x)
+    assert trie.evict(1) == 1  # written back: x is host-only, the host tier is full
+    serve(trie, x)  # loaded back: x is mirrored, a duplicate
+    assert residency(trie) == {(1, 1): Residency.MIRRORED.value}
+    serve(trie, y)
+    serve(trie, x)  # y is the LRU device leaf now
+    assert trie.evict(1) == 1  # y is written back into x's reclaimed host block
+    assert residency(trie) == {(1, 1): Residency.DEVICE.value, (4, 4): Residency.HOST.value}
+    assert trie.stats.host_evicted_blocks == 1
+    assert serve(trie, y).num_host_tokens == 2  # y's KV came back from the host
+    serve(trie, y)
+    assert trie.evict(1) == 1  # x, device-only again, is written back: nothing was lost
+    assert residency(trie) == {(1, 1): Residency.HOST.value, (4, 4): Residency.DEVICE.value}
+    assert serve(trie, x).num_host_tokens == 2
+    trie.check()
+
+
+def test_write_through_host_pressure_keeps_duplicates() -> None:
+    """[R92] applies to write-back only: with write-through a dropped host copy would
+    be lost when the device evicts the block, so host eviction stays [R51]'s."""
+    trie, _ = host_trie(num_blocks=8, host_blocks=1)
+    serve(trie, [1, 1, 9])  # stored: mirrored, the host tier is full
+    serve(trie, [4, 4, 9])  # no host block for it: device-only
+    assert residency(trie) == {
+        (1, 1): Residency.MIRRORED.value,
+        (4, 4): Residency.DEVICE.value,
+    }
+    assert trie.evict_host(1) == 0
+    trie.check()
