@@ -4,7 +4,8 @@ The core needs torch and transitions only; each extra of the ``blocktrie``
 distribution (pyproject's ``optional-dependencies``) brings the modules of one
 feature: ``events`` (msgspec, xxhash, pyzmq, numpy) for the wire format, the
 publishers and the fleet planner; ``cli`` (rich, tqdm, matplotlib) for the
-``blocktrie`` command's report and plot; ``ray`` for ``--executor ray``. A module
+``blocktrie`` command's report and plot; ``ray`` for ``--executor ray``;
+``metrics`` (prometheus_client) for `cache.metrics`. A module
 of `cache` imports an extra's module inside `requires_extra`, so that without
 it the import raises `MissingExtra`, which names the feature, the missing module
 and the pip command, instead of a bare ``ModuleNotFoundError``::

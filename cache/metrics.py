@@ -29,10 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
-
+from cache.extras import requires_extra
 from cache.trie import BlockTrie
+
+with requires_extra("metrics", "cache.metrics"):
+    import prometheus_client  # noqa: F401  # named first: the extra's module, not a submodule
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 Reading = Callable[[BlockTrie], float]
 
