@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from spec.snapshot import STAT_COUNTERS
 
@@ -20,7 +21,16 @@ class CacheStats:
     outstanding now.
     """
 
-    __slots__ = (*STAT_COUNTERS, "peak_pins", "pins", "recent", "reset_serial", "resets", "window")
+    __slots__ = (
+        *STAT_COUNTERS,
+        "_last_serial",
+        "peak_pins",
+        "pins",
+        "recent",
+        "reset_serial",
+        "resets",
+        "window",
+    )
 
     queries: int
     query_tokens: int
@@ -54,9 +64,14 @@ class CacheStats:
     window: int
     """How many matches `recent_hit_rate` looks back over (`CacheConfig.stats_window`)."""
 
-    def __init__(self, window: int = DEFAULT_STATS_WINDOW) -> None:
+    def __init__(
+        self, window: int = DEFAULT_STATS_WINDOW, last_serial: Callable[[], int] | None = None
+    ) -> None:
+        """`last_serial` reads the serial of the newest sequence matched so far (the
+        trie's counter); without it every match counts as made after a reset."""
         if type(window) is not int or window <= 0:
             raise ValueError(f"CacheStats: window must be an int > 0, got {window!r}")
+        self._last_serial: Callable[[], int] = last_serial or (lambda: 0)
         for name in (*STAT_COUNTERS, "peak_pins", "pins", "reset_serial", "resets"):
             setattr(self, name, 0)
         self.window = window
@@ -88,10 +103,8 @@ class CacheStats:
         for name in STAT_COUNTERS:
             setattr(self, name, 0)
         self.peak_pins = self.pins
-        recent = self.recent
-        if recent:  # every live sequence matched since the last reset is in it, or older
-            self.reset_serial = recent[-1][0]
-        recent.clear()
+        self.reset_serial = self._last_serial()
+        self.recent.clear()
         self.resets += 1
 
     def forget_match(self, serial: int) -> bool:

@@ -131,7 +131,7 @@ class BlockTrie:
         self._key_hash = config.key_hash
         self.faults = Faults()
         """Allocation-point fault injection, for tests of transactional behaviour."""
-        self.stats = CacheStats(config.stats_window)
+        self.stats = CacheStats(config.stats_window, lambda: self._seq_serial)
         """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
         state_dtypes = {name: config.state_dtype_of(name) for name in config.state_shapes}
         try:

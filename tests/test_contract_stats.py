@@ -121,3 +121,14 @@ def test_stats_window_must_be_a_positive_int() -> None:
         with pytest.raises(ConfigError, match="stats_window"):
             CacheConfig(block_size=2, num_blocks=8, stats_window=bad)  # type: ignore[arg-type]
     assert CacheConfig(block_size=2, num_blocks=8).stats_window == 1000
+
+
+def test_reset_covers_a_live_match_that_left_the_window() -> None:
+    """[R90]: a match pushed out of the window by one that was then aborted is still
+    older than the reset: its abort rolls nothing back (no negative counters)."""
+    trie = _trie(1)
+    early = trie.match([1, 2, 3])
+    trie.abort(trie.match([4, 5, 6]))  # pushed `early` out, then left: the window is empty
+    trie.stats.reset()
+    trie.abort(early)
+    assert trie.stats.counters() == dict.fromkeys(STAT_COUNTERS, 0)
