@@ -26,7 +26,7 @@ from collections import abc
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, overload
 
-from cache.validation import U32, U64
+from cache.validation import U32, U64, Identity
 
 if TYPE_CHECKING:
     from cache.config import KeyHash
@@ -49,7 +49,7 @@ def unpack_tokens(packed: bytes) -> tuple[int, ...]:
     return tuple(array(U32, packed))
 
 
-def salted(extra: tuple[Hashable, ...] | None, salt: str) -> tuple[Hashable, ...]:
+def salted(extra: tuple[Identity, ...] | None, salt: str) -> tuple[Identity, ...]:
     """`extra` with vLLM's `cache_salt` folded into block 0's identity ([R91]).
 
     Block 0's identity becomes a tuple: its own extra keys (none for None, the
@@ -59,8 +59,8 @@ def salted(extra: tuple[Hashable, ...] | None, salt: str) -> tuple[Hashable, ...
     block 0 is vLLM's extra keys for it, and a salted request shares no node with
     an unsalted one or one salted otherwise.
     """
-    first = block_identity(extra, 0)
-    own: tuple[Hashable, ...] = (
+    first = extra[0] if extra else None
+    own: tuple[Identity, ...] = (
         () if first is None else first if isinstance(first, tuple) else (first,)
     )
     return ((*own, salt), *(extra or ())[1:])
