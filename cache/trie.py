@@ -270,6 +270,25 @@ class BlockTrie:
         return len(self._evictor.index)
 
     @property
+    def num_reclaimable_blocks(self) -> int:
+        """KV blocks an `allocate` could obtain right now ([R80]): the free ones plus
+        every block making room could free ([R16]: the eviction cascade, parents
+        left evictable included, and unpinned checkpoints' frozen tails). SGLang's
+        `evictable_size` plus its free blocks; vLLM's free blocks counting the
+        cached ones nobody uses.
+
+        Computed when read (`Evictor.reclaimable`): O(reclaimable nodes + unpinned
+        checkpoints), not a running count; for one admission decision,
+        `can_allocate` is cheaper (it stops counting once the need is covered).
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("num_reclaimable_blocks")
+        try:
+            return self._kv.num_free + self._evictor.reclaimable()
+        finally:
+            self._gate.release()
+
+    @property
     def num_free_host_blocks(self) -> int:
         """Host-tier blocks in its free list (0 without a host tier)."""
         return self._host_pool.num_free
@@ -545,6 +564,35 @@ class BlockTrie:
                 return
             self._evictor.make_room(need)
             seq.blocks.extend(self._kv.take(need))
+        finally:
+            self._gate.release()
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `allocate(seq, num_tokens)` would succeed now ([R81]); changes nothing.
+
+        Validates as `allocate` does and raises what it would raise for a
+        malformed call (`InvalidType`, `SequenceNotLive`, `InvalidArgument`);
+        returns False where `allocate` would refuse on the cache's state
+        (`OutOfBlocks`, or `HostTierError` for a hit still to be loaded). Costs
+        O(1) when the free blocks or the evictable leaves cover the need, else
+        at most what `num_reclaimable_blocks` costs. The one case it cannot
+        foresee is [R52]'s: under write-back with an engine that cannot wait
+        for its stores (`ManualCopies`), True means the room exists once the
+        stores `allocate` queues have finished.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("can_allocate()")
+        try:
+            self._check_live(seq)
+            n = int_arg("num_tokens", num_tokens)
+            if not 0 <= n <= len(seq.token_list):
+                raise InvalidArgument(
+                    f"can_allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
+                )
+            if seq.host_path or seq.load_failed:
+                return False
+            short = -(-n // self._block_size) - len(seq.blocks) - self._kv.num_free
+            return short <= 0 or self._evictor.room_possible(short)
         finally:
             self._gate.release()
 

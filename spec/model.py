@@ -958,6 +958,25 @@ class ReferenceCache:
             return
         self._grow(s, need)
 
+    def can_allocate(self, seq: ModelSequence, num_tokens: int) -> bool:
+        """[R81]: `allocate`'s validation, then whether it would get its blocks."""
+        s = self._check_seq(seq, "can_allocate")
+        n = _check_int(num_tokens, "can_allocate: num_tokens")
+        if not 0 <= n <= len(s.tokens):
+            raise InvalidArgument(
+                f"can_allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence "
+                f"#{s._id}, got {n}"
+            )
+        if s._load_failed or s._host_path:  # allocate would refuse ([R50])
+            return False
+        need = -(-n // self._B) - len(s.block_ids)
+        return need <= 0 or self._can_get_blocks(need)
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """[R80]: free blocks + what making room could free ([R16])."""
+        return len(self._free_block_list()) + self._reclaimable()
+
     def _refuse_unloaded(self, op: str, s: ModelSequence) -> None:
         """[R50]: the operation needs the whole hit on the device."""
         if s._load_failed:

@@ -245,6 +245,42 @@ class CacheVersusModel(RuleBasedStateMachine):
             lambda: self.cache.allocate(seq.real, n), lambda: self.model.allocate(seq.model, n)
         )
 
+    @rule(seq=live, fraction=FRACTION, overshoot=st.integers(0, 1))
+    def can_allocate_then_allocate(self, seq: Pair, fraction: float, overshoot: int) -> None:
+        """[R80], [R81]: the admission queries change nothing, agree with the model and
+        with each other, and `allocate` succeeds exactly when `can_allocate` said so
+        (but for [R52]'s write-back stores that `ManualCopies` never finishes)."""
+        reclaimable = self.cache.num_reclaimable_blocks
+        assert reclaimable == self.model.num_reclaimable_blocks
+        n = int(len(seq.real.tokens) * fraction) + overshoot
+        before = observe(self.cache.snapshot())
+        out = self.both(
+            lambda: self.cache.can_allocate(seq.real, n),
+            lambda: self.model.can_allocate(seq.model, n),
+        )
+        assert observe(self.cache.snapshot()) == before
+        if out is None:  # a malformed call: both raised what allocate raises
+            return
+        can, model_can = out
+        assert can is model_can
+        need = -(-n // self.block_size) - len(seq.real.block_ids)
+        if not (seq.real.host_path or seq.real.load_failed) and need > 0:
+            assert can == (need <= reclaimable)
+        errors: list[Exception] = []
+
+        def allocate() -> None:
+            try:
+                self.cache.allocate(seq.real, n)
+            except Exception as exc:
+                errors.append(exc)
+                raise
+
+        self.both(allocate, lambda: self.model.allocate(seq.model, n))
+        if errors and "complete them, poll, retry" in str(errors[0]):  # [R52]
+            assert can
+        else:
+            assert can == (not errors), errors
+
     @rule(seq=live, fraction=FRACTION)
     def commit(self, seq: Pair, fraction: float) -> None:
         covered = min(len(seq.real.tokens), len(seq.real.block_ids) * self.block_size)
