@@ -550,9 +550,7 @@ class Evictor:
             return 0
         doomed: set[Node] = set()
         total = self._reclaimable(self._kv.capacity + 1, doomed)
-        return total + sum(
-            1 for ck in self.checkpoints.frozen_tails() if ck.anchor not in doomed
-        )
+        return total + sum(1 for ck in self.checkpoints.frozen_tails() if ck.anchor not in doomed)
 
     def _reclaimable(self, limit: int, doomed: set[Node] | None = None) -> int:
         """KV blocks that evictions could free, counted up to `limit` (no change made).

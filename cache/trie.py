@@ -45,6 +45,8 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from cache import inspection
+from cache.block_pins import BlockPinReceipt, BlockPins, block_hashes_arg
+from cache.bounds import NO_SPANS, Spans, bounded_depth, hit_bounds
 from cache.checkpointing import Checkpointing
 from cache.checkpoints import CheckpointStore
 from cache.completions import CompletionQueue
@@ -217,6 +219,13 @@ class BlockTrie:
         self._checkpoints.on_pins_changed = self._evictor.settle
         self._transfers = Transfers(
             engine, self._kv, self._slots, self._checkpoints, self._evictor, self.stats
+        )
+        self._block_pins = BlockPins(
+            self._nodes,
+            self._kv,
+            self._evictor.settle,
+            self._evictor.settle_block,
+            config.enable_events,
         )
         self._roots: dict[str, Node] = {}
         self._clock = 0
@@ -448,15 +457,27 @@ class BlockTrie:
 
     # ----------------------------------------------------------------- match
 
-    def match(self, tokens: TokenIds, namespace: str = "", extra: object = None) -> Sequence:
+    def match(
+        self,
+        tokens: TokenIds,
+        namespace: str = "",
+        extra: object = None,
+        *,
+        max_hit_tokens: int | None = None,
+        atomic_spans: Spans | list[tuple[int, int]] = NO_SPANS,
+    ) -> Sequence:
         """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
 
         Returns a live `Sequence` whose `num_cached_tokens` is the hit ([R13]):
         attention-only, the longest cached full-block prefix; SSM, the step of
         the deepest published checkpoint whose prefix equals the request's. At
-        least one token is left to compute. Raises `InvalidType` /
-        `InvalidArgument` on malformed input ([R1]), changing nothing.
-        Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly (invariant 8).
+        least one token is left to compute. `max_hit_tokens` caps the hit
+        ([R82]: 0 is vLLM's prompt-logprobs request, which hits nothing yet
+        commits as usual); `atomic_spans`, `(start, end)` token ranges such as
+        multimodal items, are hit whole or not at all ([R83]). Raises
+        `InvalidType` / `InvalidArgument` on malformed input ([R1]), changing
+        nothing. Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly
+        (invariant 8).
         """
         if not self._gate.acquire(False):
             raise self._concurrent_use("match()")
@@ -467,6 +488,8 @@ class BlockTrie:
             if type(namespace) is not str or not namespace.isascii():
                 namespace = namespace_arg(namespace)  # [R60]: refused unless exactly a str
             ext = None if extra is None else extra_tuple(extra)  # [R60]: owned from here on
+            bounded = max_hit_tokens is not None or atomic_spans is not NO_SPANS
+            cap, spans = hit_bounds(max_hit_tokens, atomic_spans) if bounded else (None, ())
             size = self._block_size
             keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
             root = self._roots.get(namespace)
@@ -475,6 +498,8 @@ class BlockTrie:
             if root is not None:  # [R12]: walk while a child with the exact key exists
                 path = self._walk(root, keys, ext is None and self._key_hash is None)
             usable = min(len(path), (len(toks) - 1) // size)
+            if bounded:  # [R82], [R83]; an SSM hit ends at a checkpoint: spans checked there
+                usable = bounded_depth(usable, size, cap, NO_SPANS if self._ssm else spans)
             ck: Checkpoint | None = None
             host_nodes: list[Node] = []
             waits: list[Copy] = []
@@ -484,11 +509,14 @@ class BlockTrie:
                 hit = usable * size
                 if self._host is not None:
                     depth, host_nodes, waits, waiting = self._host.split(path, usable)
+                    if bounded and depth + len(host_nodes) < usable:  # a failed load cut it
+                        usable = bounded_depth(depth + len(host_nodes), size, cap, spans)
+                        depth, host_nodes, waits, waiting = self._host.split(path, usable)
                     hit = (depth + len(host_nodes)) * size  # shorter past a failed load
             else:
                 if root is not None and t.checkpoint:
                     ck = CheckpointStore.deepest_match(
-                        t.checkpoint, root, path, toks, ext, usable, size
+                        t.checkpoint, root, path, toks, ext, usable, size, cap, spans
                     )
                 depth = ck.step // size if ck is not None else 0
                 hit = ck.step if ck is not None else 0
@@ -699,6 +727,8 @@ class BlockTrie:
                     stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
                     path.extend(stored)
                     if hashes is not None:
+                        if self._block_pins.indexing:  # [R84]: findable by hash
+                            self._block_pins.added(seq.namespace, hashes, stored)
                         under_root = t.is_root(parent)
                         events.stored(
                             None if under_root else parent_hash,
@@ -871,6 +901,49 @@ class BlockTrie:
         finally:
             self._gate.release()
 
+    def drop_checkpoint(self, seq: Sequence, step: int) -> bool:
+        """Release the checkpoint after exactly `step` tokens of `seq`'s prefix ([R86]).
+
+        lmdeploy keeps one rolling decode checkpoint per sequence: once a newer
+        one is saved, the engine drops the old one. The checkpoint must sit on
+        `seq`'s path (its anchor committed) and be the one for `seq`'s own
+        tokens (tail included); its device slot, host slot and frozen tail go
+        back to their pools, counted in `evicted_checkpoints`, with the events
+        an eviction emits. Returns False when there is none there; raises
+        `PinError` when it is pinned (a copy in flight, a match or an explicit
+        pin hold it), `CheckpointError` when SSM is off, `InvalidArgument` for
+        a step outside the sequence; a failure changes nothing.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("drop_checkpoint()")
+        try:
+            self._check_live(seq)
+            step = int_arg("step", step)
+            if not self._ssm:
+                raise CheckpointError(
+                    "drop_checkpoint: SSM checkpoints are disabled (num_checkpoint_slots=0)"
+                )
+            if not 1 <= step <= len(seq.token_list):
+                raise InvalidArgument(
+                    f"drop_checkpoint: step={step} outside 1..{len(seq.token_list)} for {seq!r}"
+                )
+            size = self._block_size
+            depth, rem = divmod(step, size)
+            if depth > len(seq.path):  # its anchor is not on the sequence's path
+                return False
+            anchor = seq.path[depth - 1] if depth else self._roots.get(seq.namespace)
+            ck = self._nodes.checkpoint.get(anchor) if anchor is not None else None
+            if ck is None or ck.step != step:
+                return False
+            if rem and (
+                ck.tail != tuple(seq.token_list[depth * size : step])
+                or ck.tail_extra != block_identity(seq.extra, depth)
+            ):
+                return False  # another prefix's checkpoint
+            return self._checkpoints.drop_chosen(ck)
+        finally:
+            self._gate.release()
+
     def clear(self) -> None:
         """Drop every cached block and checkpoint ([R22]).
 
@@ -881,10 +954,12 @@ class BlockTrie:
             raise self._concurrent_use("clear()")
         try:
             inflight = self._transfers.inflight
-            if self._live or inflight or self._explicit:
+            block_pins = self._block_pins.receipts
+            if self._live or inflight or self._explicit or block_pins:
                 raise CacheError(
                     f"clear: {len(self._live)} live sequences, {len(inflight)} copies in "
-                    f"flight and {len(self._explicit)} explicit pins must be finished first"
+                    f"flight, {len(self._explicit)} explicit pins and {len(block_pins)} "
+                    "block pins must be finished first"
                 )
             with self._events.muted():
                 self._evictor.write_back = False  # dropped, not stored
@@ -990,6 +1065,37 @@ class BlockTrie:
                 raise PinError(f"unpin: {receipt!r} was not issued by this cache's pin()")
             del self._explicit[id(receipt)]
             self._checkpoints.unpin(receipt)
+        finally:
+            self._gate.release()
+
+    def pin_blocks(self, block_hashes: list[int], namespace: str = "") -> BlockPinReceipt:
+        """Pin the cached blocks of `namespace` that events published with these hashes
+        ([R84]): no eviction frees them until `unpin_blocks(receipt)`.
+
+        For a router or a disaggregated prefill that names blocks by the hash of
+        their `BlockStored` event (the 64-bit wire value). Each block is pinned
+        once, by one reference on its device block, as a request's block table
+        holds it (so its ancestors stay too); hashes of blocks not cached on the
+        device are skipped; `receipt.pinned` counts the blocks pinned. Needs
+        `CacheConfig(enable_events=True)` (`ConfigError`). Raises `InvalidType` /
+        `InvalidArgument` for malformed hashes or namespace.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("pin_blocks()")
+        try:
+            hashes = block_hashes_arg(block_hashes)
+            if not isinstance(namespace, str):
+                raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
+            return self._block_pins.pin(self, hashes, namespace)
+        finally:
+            self._gate.release()
+
+    def unpin_blocks(self, receipt: BlockPinReceipt) -> None:
+        """Redeem a receipt from `pin_blocks` ([R85]); a second use raises `PinError`."""
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("unpin_blocks()")
+        try:
+            self._block_pins.unpin(self, receipt)
         finally:
             self._gate.release()
 

@@ -40,7 +40,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache import BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
+from cache import BlockPinReceipt, BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
+from cache.block_hash import chain, root_hash, to_wire
 from spec import invariants
 from spec.errors import AllocationFailed, CopyFailed
 from spec.lifecycle import CopyState, ReceiptState
@@ -53,6 +54,17 @@ TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=8)
 NAMESPACES = st.sampled_from(["", "ns"])
 EXTRAS = st.one_of(st.none(), st.lists(st.sampled_from([None, "img"]), max_size=3))
 FRACTION = st.floats(0.0, 1.0)
+MAX_HIT = st.one_of(st.none(), st.integers(-1, 8))
+SPANS = st.lists(st.tuples(st.integers(-1, 8), st.integers(0, 9)), max_size=3)
+
+
+def _published_hash(namespace: str, keys: tuple[tuple[tuple[int, ...], Any], ...]) -> int:
+    """The hash events publish for the block at the end of `keys` (the model's view of
+    a path: (block tokens, block identity) from the root), scheme "xxh3", seed 0."""
+    h = root_hash(namespace)
+    for tokens, identity in keys:
+        h = chain(h, tokens, identity, namespace=namespace)
+    return to_wire(h)
 
 
 def _code(namespace: str, prefix: tuple[int, ...]) -> float:
@@ -84,6 +96,7 @@ class CacheVersusModel(RuleBasedStateMachine):
     live = Bundle("live")
     copies = Bundle("copies")
     receipts = Bundle("receipts")
+    block_receipts = Bundle("block_receipts")
 
     @initialize(
         block_size=st.integers(2, 3),
@@ -139,12 +152,14 @@ class CacheVersusModel(RuleBasedStateMachine):
             num_host_blocks=host,
             host_write=host_write,
             num_host_checkpoint_slots=host_slots,
+            block_hash=_published_hash,
         )
         self.patterns = 0
         self.saved: dict[tuple[Any, ...], float] = {}
         self.pending_restores: list[PendingRestore] = []
         self.open_sequences: dict[int, Pair] = {}  # for teardown's drain
         self.open_receipts: dict[int, Pair] = {}
+        self.open_block_receipts: dict[int, Pair] = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -214,6 +229,55 @@ class CacheVersusModel(RuleBasedStateMachine):
             assert real.restore.step == model.restore.step == real.num_cached_tokens
         pair = Pair(real, model)
         self.open_sequences[id(real)] = pair
+        return pair
+
+    @rule(
+        target=live,
+        tokens=TOKENS,
+        namespace=NAMESPACES,
+        extra=EXTRAS,
+        max_hit=MAX_HIT,
+        spans=SPANS,
+        prefill=st.booleans(),
+    )
+    def bounded_match(
+        self,
+        tokens: list[int],
+        namespace: str,
+        extra: list[str | None] | None,
+        max_hit: int | None,
+        spans: list[tuple[int, int]],
+        prefill: bool,
+    ) -> Any:
+        """[R82], [R83]: a capped match and atomic spans (malformed ones too: both raise);
+        with `prefill`, the prompt is then computed and committed whatever the hit
+        (max_hit=0: vLLM's prompt-logprobs request, deduplicated into the cache)."""
+        out = self.both(
+            lambda: self.cache.match(
+                tokens, namespace=namespace, extra=extra, max_hit_tokens=max_hit,
+                atomic_spans=spans,
+            ),
+            lambda: self.model.match(
+                tokens, namespace=namespace, extra=extra, max_hit_tokens=max_hit,
+                atomic_spans=spans,
+            ),
+        )  # fmt: skip
+        if out is None:
+            return multiple()
+        real, model = out
+        assert real.num_cached_tokens == model.num_cached_tokens
+        assert real.num_host_tokens == model.num_host_tokens
+        assert real.branch_step == model.branch_step
+        assert (real.restore is None) == (model.restore is None)
+        hit = real.num_cached_tokens
+        assert max_hit is None or hit <= max_hit
+        assert not any(start < hit < end for start, end in spans)
+        pair = Pair(real, model)
+        self.open_sequences[id(real)] = pair
+        if prefill:
+            if self.host:
+                self.load(pair)
+            self.allocate_and_commit_all(pair)
         return pair
 
     @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
@@ -376,15 +440,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         chunked prefill's; block-aligned checkpoints go to the host tier), the branch
         point, or anywhere."""
         real_seq: Sequence = seq.real
-        if where == "committed":
-            step = max(1, real_seq.num_committed_tokens)
-        elif where == "block":
-            size = self.block_size
-            step = max(1, real_seq.num_committed_tokens // size * size)
-        elif where == "branch":
-            step = max(1, min(real_seq.branch_step, real_seq.num_committed_tokens))
-        else:
-            step = max(1, round(len(real_seq.tokens) * fraction))
+        step = self._step(real_seq, where, fraction)
         self.patterns += 1
         pattern = float(self.patterns)
         runtime = self._runtime(pattern)
@@ -407,6 +463,33 @@ class CacheVersusModel(RuleBasedStateMachine):
             return multiple()
         self.saved[self._identity(real_seq, step)] = pattern
         return Pair(real, model)
+
+    def _step(self, seq: Sequence, where: str, fraction: float) -> int:
+        """A step where an engine would save (or drop) a checkpoint: the committed end,
+        its last block boundary, the branch point, or anywhere."""
+        if where == "committed":
+            return max(1, seq.num_committed_tokens)
+        if where == "block":
+            return max(1, seq.num_committed_tokens // self.block_size * self.block_size)
+        if where == "branch":
+            return max(1, min(seq.branch_step, seq.num_committed_tokens))
+        return max(1, round(len(seq.tokens) * fraction))
+
+    @rule(
+        seq=live,
+        where=st.sampled_from(["committed", "block", "branch", "any"]),
+        fraction=FRACTION,
+    )
+    def drop_checkpoint(self, seq: Pair, where: str, fraction: float) -> None:
+        """[R86]: the engine releases a checkpoint of its sequence's prefix (lmdeploy's
+        rolling decode checkpoint); attention-only, both refuse."""
+        step = self._step(seq.real, where, fraction)
+        out = self.both(
+            lambda: self.cache.drop_checkpoint(seq.real, step),
+            lambda: self.model.drop_checkpoint(seq.model, step),
+        )
+        if out is not None:
+            assert out[0] is out[1]
 
     @precondition(lambda self: self.ssm)
     @rule(target=copies, seq=live)
@@ -456,6 +539,60 @@ class CacheVersusModel(RuleBasedStateMachine):
         # The receipt lifecycle: whatever happened, both agree, and a used one is redeemed.
         assert receipt.real.state == receipt.model.state
         assert receipt.real.state == ReceiptState.REDEEMED
+
+    @rule(
+        target=block_receipts,
+        tokens=TOKENS,
+        namespace=NAMESPACES,
+        extra=EXTRAS,
+        keep=st.lists(st.booleans(), min_size=4, max_size=4),
+        unknown=st.booleans(),
+    )
+    def pin_blocks(
+        self,
+        tokens: list[int],
+        namespace: str,
+        extra: list[str | None] | None,
+        keep: list[bool],
+        unknown: bool,
+    ) -> Any:
+        """[R84]: a router pins blocks by the hashes events published for a prompt's
+        blocks (some of them, maybe one no block has, maybe a repeat)."""
+        size = self.block_size
+        keys: list[tuple[tuple[int, ...], Any]] = []
+        hashes: list[int] = []
+        for i in range(len(tokens) // size):
+            identity = extra[i] if extra is not None and i < len(extra) else None
+            keys.append((tuple(tokens[i * size : (i + 1) * size]), identity))
+            if keep[i % 4]:
+                hashes.append(_published_hash(namespace, tuple(keys)))
+        if unknown:
+            hashes += [12345, *hashes[:1]]
+        out = self.both(
+            lambda: self.cache.pin_blocks(hashes, namespace=namespace),
+            lambda: self.model.pin_blocks(hashes, namespace=namespace),
+        )
+        assert out is not None
+        pair = Pair(*out)
+        assert pair.real.pinned == pair.model.pinned
+        assert pair.real.state == pair.model.state == ReceiptState.ISSUED
+        self.open_block_receipts[id(pair.real)] = pair
+        return pair
+
+    @rule(receipt=consumes(block_receipts))
+    def unpin_blocks(self, receipt: Pair) -> None:
+        """[R85]: the pins go; what only they held is evictable again."""
+        assert isinstance(receipt.real, BlockPinReceipt)
+        self.both(
+            lambda: self.cache.unpin_blocks(receipt.real),
+            lambda: self.model.unpin_blocks(receipt.model),
+        )
+        self.open_block_receipts.pop(id(receipt.real), None)
+        assert receipt.real.state == receipt.model.state == ReceiptState.REDEEMED
+        self.both(  # single use: a second one raises PinError in both
+            lambda: self.cache.unpin_blocks(receipt.real),
+            lambda: self.model.unpin_blocks(receipt.model),
+        )
 
     @rule(receipt=receipts)
     def unpin_twice_is_refused(self, receipt: Pair) -> None:
@@ -570,6 +707,9 @@ class CacheVersusModel(RuleBasedStateMachine):
             if not pair.real.used:
                 self.cache.unpin(pair.real)
                 self.model.unpin(pair.model)
+        for pair in self.open_block_receipts.values():
+            self.cache.unpin_blocks(pair.real)
+            self.model.unpin_blocks(pair.model)
         self.manual.complete_all()
         self.model.complete_all()
         assert self.cache.poll() == self.model.poll()
