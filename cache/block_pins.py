@@ -65,8 +65,10 @@ class BlockPinReceipt:
 
 
 def block_hashes_arg(block_hashes: object) -> list[int]:
-    """Validate `pin_blocks`' hashes ([R1]): a list or tuple of ints (not bool) in
-    `[0, 2**64)`, the values a `BlockStored` event carries."""
+    """Validate `pin_blocks`' hashes ([R1]): a list or tuple of ints (not bool), none
+    negative; returns their wire values (low 64 bits: `cache.block_hash.to_wire`), so
+    a `vllm` scheme's full digest, as `BlockStored` carries it in Python, names the
+    same block as the 64-bit value on the wire."""
     if not isinstance(block_hashes, (list, tuple)):
         raise InvalidType(
             f"block_hashes must be a list or tuple of ints, got {type(block_hashes).__name__}"
@@ -75,9 +77,9 @@ def block_hashes_arg(block_hashes: object) -> list[int]:
         if isinstance(h, bool) or not isinstance(h, int):
             raise InvalidType(f"block_hashes must hold ints, got {type(h).__name__}")
     for h in block_hashes:
-        if not 0 <= h <= MASK64:
-            raise InvalidArgument(f"a block hash is an unsigned 64-bit value, got {h}")
-    return list(block_hashes)
+        if h < 0:
+            raise InvalidArgument(f"a block hash is never negative, got {h}")
+    return [h & MASK64 for h in block_hashes]
 
 
 class BlockPins:

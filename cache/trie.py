@@ -1073,7 +1073,8 @@ class BlockTrie:
         ([R84]): no eviction frees them until `unpin_blocks(receipt)`.
 
         For a router or a disaggregated prefill that names blocks by the hash of
-        their `BlockStored` event (the 64-bit wire value). Each block is pinned
+        their `BlockStored` event (compared by its low 64 bits, the wire value:
+        the `vllm` scheme's full digest names the same block). Each block is pinned
         once, by one reference on its device block, as a request's block table
         holds it (so its ancestors stay too); hashes of blocks not cached on the
         device are skipped; `receipt.pinned` counts the blocks pinned. Needs

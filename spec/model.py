@@ -1390,12 +1390,12 @@ class ReferenceCache:
         for h in block_hashes:
             _check_int(h, "pin_blocks: a block hash")
         for h in block_hashes:
-            if not 0 <= h < 2**64:
-                raise InvalidArgument(f"pin_blocks: a block hash is 64-bit unsigned, got {h}")
+            if h < 0:
+                raise InvalidArgument(f"pin_blocks: a block hash is never negative, got {h}")
         ns = _check_namespace(namespace)
         if self._block_hash is None:
             raise ConfigError("pin_blocks: blocks are named by event hashes; events are off")
-        wanted = set(block_hashes)
+        wanted = {h % 2**64 for h in block_hashes}  # a wide digest: its wire value
         blocks = [  # [R84]: every device block of the namespace published with a listed hash
             n.block
             for n in self._nodes

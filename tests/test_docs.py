@@ -156,7 +156,8 @@ def test_operation_rules_are_numbered_once_and_every_one_is_cited() -> None:
     defined = _defined_rules()
     assert defined, "docs/semantics.md defines no numbered rule"
     assert len(defined) == len(set(defined)), "a rule number is defined twice"
-    assert defined == list(range(1, len(defined) + 1)), "rule numbers must run 1..n in order"
+    # Increasing, gaps allowed: parallel branches take disjoint ranges (R90-R94, ...).
+    assert defined == sorted(defined), "rule numbers must increase down the page"
     in_docs = {int(n) for n in _RULE_CITED.findall(text)}
     assert in_docs <= set(defined), (
         f"semantics.md refers to undefined rules {in_docs - set(defined)}"
