@@ -361,13 +361,13 @@ class CheckpointStore:
         and its frozen tail go back, as an eviction's would (`evicted_checkpoints`,
         the same events). Raises `PinError` when it is pinned (changing nothing);
         False for one that is not matchable (withdrawn: it goes with its last pin)."""
+        if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # not matchable
+            return False
         if ck.pins:
             raise PinError(
                 f"drop_checkpoint: {ck!r} holds {ck.pins} pin(s); a pinned checkpoint is "
                 "never released"
             )
-        if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # not matchable
-            return False
         self.drop(ck, CheckpointTrigger.EVICT)
         self._stats.evicted_checkpoints += 1
         return True

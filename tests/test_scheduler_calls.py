@@ -349,6 +349,21 @@ def test_drop_checkpoint_refuses_pinned_and_ignores_other_prefixes() -> None:
         trie.drop_checkpoint(seq, 0)
 
 
+def test_drop_checkpoint_leaves_a_withdrawn_checkpoint_to_its_last_pin() -> None:
+    trie, copies = ssm_trie()
+    assert copies is not None
+    seq = trie.match(PROMPT)
+    trie.allocate(seq, 17)
+    trie.commit(seq, 8)
+    copy = trie.save(seq, 8, state(1.0))
+    assert copy is not None
+    copies.fail(copy)  # [R46]: withdrawn, held by its producer pin until reaped
+    assert trie.drop_checkpoint(seq, 8) is False
+    trie.poll()
+    assert trie.num_free_checkpoint_slots == 4
+    trie.check()
+
+
 def test_drop_checkpoint_needs_ssm_and_a_live_sequence() -> None:
     trie = kv_trie()
     seq = trie.match(PROMPT)
