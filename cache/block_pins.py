@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from cache.block_hash import MASK64
 from cache.kv_pool import KVBlockPool
 from cache.node import NO_BLOCK, NO_NODE, Node, NodeTable
-from spec.errors import ConfigError, InvalidArgument, InvalidType, PinError
+from cache.sequence import check_redeemable
+from spec.errors import ConfigError, InvalidArgument, InvalidType
 from spec.lifecycle import RECEIPT, ReceiptState, ReceiptTrigger
 
 
@@ -188,12 +189,7 @@ class BlockPins:
 
     def unpin(self, owner: object, receipt: BlockPinReceipt) -> None:
         """Redeem `receipt` ([R85]): drop its references; a second use raises `PinError`."""
-        if not isinstance(receipt, BlockPinReceipt):
-            raise InvalidType(f"unpin_blocks takes a BlockPinReceipt, got {type(receipt).__name__}")
-        if receipt.owner is not owner or self.receipts.get(id(receipt)) is not receipt:
-            if receipt.used and receipt.owner is owner:
-                raise PinError(f"unpin_blocks: {receipt!r} was already used")
-            raise PinError(f"unpin_blocks: {receipt!r} was not issued by this cache")
+        check_redeemable("unpin_blocks", receipt, BlockPinReceipt, owner, self.receipts)
         receipt.state = RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, receipt)
         del self.receipts[id(receipt)]
         self._kv.decref_all(receipt.blocks)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from spec.errors import InvalidType, PinError
 from spec.lifecycle import ReceiptState
 
 if TYPE_CHECKING:
@@ -57,6 +58,21 @@ class PinReceipt:
 
     def __repr__(self) -> str:
         return f"<PinReceipt step={self.checkpoint.step}{' used' if self.used else ''}>"
+
+
+def check_redeemable(
+    operation: str, receipt: object, kind: type, owner: object, outstanding: dict[int, Any]
+) -> None:
+    """Raise unless `receipt` is a `kind` receipt that `owner` issued and holds in
+    `outstanding` (by id): `InvalidType` for another type, `PinError` for a receipt
+    already redeemed or not `owner`'s (single use, [R3], [R40], [R85])."""
+    if not isinstance(receipt, kind):
+        raise InvalidType(f"{operation} takes a {kind.__name__}, got {type(receipt).__name__}")
+    if getattr(receipt, "owner", None) is not owner or outstanding.get(id(receipt)) is not receipt:
+        if getattr(receipt, "used", False) and getattr(receipt, "owner", None) is owner:
+            raise PinError(f"{operation}: {receipt!r} was already used")
+        issuer = operation.removeprefix("un")  # unpin: pin(); unpin_blocks: pin_blocks()
+        raise PinError(f"{operation}: {receipt!r} was not issued by this cache's {issuer}()")
 
 
 class Sequence:

@@ -69,7 +69,7 @@ from cache.node import (
     state_code,
 )
 from cache.offload import Offload, refuse_unloaded
-from cache.sequence import PinReceipt, RestorePoint, Sequence
+from cache.sequence import PinReceipt, RestorePoint, Sequence, check_redeemable
 from cache.state_pool import CheckpointSlotPool, storage_spans
 from cache.stats import CacheStats
 from cache.transfers import Transfers
@@ -88,7 +88,6 @@ from spec.errors import (
     ConfigError,
     InvalidArgument,
     InvalidType,
-    PinError,
     SequenceNotLive,
 )
 from spec.lifecycle import CheckpointTrigger, NodeState
@@ -579,21 +578,25 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("allocate()")
         try:
-            self._check_live(seq)
-            n = int_arg("num_tokens", num_tokens)
-            if not 0 <= n <= len(seq.token_list):
-                raise InvalidArgument(
-                    f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
-                )
+            need = self._blocks_needed("allocate", seq, num_tokens)
             if seq.host_path or seq.load_failed:
                 refuse_unloaded("allocate", seq)
-            need = -(-n // self._block_size) - len(seq.blocks)
             if need <= 0:
                 return
             self._evictor.make_room(need)
             seq.blocks.extend(self._kv.take(need))
         finally:
             self._gate.release()
+
+    def _blocks_needed(self, operation: str, seq: Sequence, num_tokens: int) -> int:
+        """Validate an allocation of `num_tokens` ([R1]-[R3]); the blocks it adds ([R15])."""
+        self._check_live(seq)
+        n = int_arg("num_tokens", num_tokens)
+        if not 0 <= n <= len(seq.token_list):
+            raise InvalidArgument(
+                f"{operation}: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
+            )
+        return -(-n // self._block_size) - len(seq.blocks)
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `allocate(seq, num_tokens)` would succeed now ([R81]); changes nothing.
@@ -611,15 +614,10 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("can_allocate()")
         try:
-            self._check_live(seq)
-            n = int_arg("num_tokens", num_tokens)
-            if not 0 <= n <= len(seq.token_list):
-                raise InvalidArgument(
-                    f"can_allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
-                )
+            need = self._blocks_needed("can_allocate", seq, num_tokens)
             if seq.host_path or seq.load_failed:
                 return False
-            short = -(-n // self._block_size) - len(seq.blocks) - self._kv.num_free
+            short = need - self._kv.num_free
             return short <= 0 or self._evictor.room_possible(short)
         finally:
             self._gate.release()
@@ -1057,12 +1055,7 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("unpin()")
         try:
-            if not isinstance(receipt, PinReceipt):
-                raise InvalidType(f"unpin takes a PinReceipt, got {type(receipt).__name__}")
-            if receipt.owner is not self or self._explicit.get(id(receipt)) is not receipt:
-                if receipt.used and receipt.owner is self:
-                    raise PinError(f"unpin: {receipt!r} was already used")
-                raise PinError(f"unpin: {receipt!r} was not issued by this cache's pin()")
+            check_redeemable("unpin", receipt, PinReceipt, self, self._explicit)
             del self._explicit[id(receipt)]
             self._checkpoints.unpin(receipt)
         finally:

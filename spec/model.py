@@ -1006,32 +1006,29 @@ class ReferenceCache:
         toks = _check_tokens(tokens, "append", nonempty=False)
         s.tokens = s.tokens + toks  # [R4]: an empty append changes nothing
 
-    def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
-        s = self._check_seq(seq, "allocate")
-        n = _check_int(num_tokens, "allocate: num_tokens")
+    def _check_allocation(self, op: str, seq: ModelSequence, num_tokens: int) -> ModelSequence:
+        s = self._check_seq(seq, op)
+        n = _check_int(num_tokens, f"{op}: num_tokens")
         if not 0 <= n <= len(s.tokens):
             raise InvalidArgument(
-                f"allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, "
-                f"got {n}"
+                f"{op}: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, got {n}"
             )
+        return s
+
+    def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
+        s = self._check_allocation("allocate", seq, num_tokens)
         self._refuse_unloaded("allocate", s)
-        need = -(-n // self._B) - len(s.block_ids)  # [R15]
+        need = -(-num_tokens // self._B) - len(s.block_ids)  # [R15]
         if need <= 0:
             return
         self._grow(s, need)
 
     def can_allocate(self, seq: ModelSequence, num_tokens: int) -> bool:
         """[R81]: `allocate`'s validation, then whether it would get its blocks."""
-        s = self._check_seq(seq, "can_allocate")
-        n = _check_int(num_tokens, "can_allocate: num_tokens")
-        if not 0 <= n <= len(s.tokens):
-            raise InvalidArgument(
-                f"can_allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence "
-                f"#{s._id}, got {n}"
-            )
+        s = self._check_allocation("can_allocate", seq, num_tokens)
         if s._load_failed or s._host_path:  # allocate would refuse ([R50])
             return False
-        need = -(-n // self._B) - len(s.block_ids)
+        need = -(-num_tokens // self._B) - len(s.block_ids)
         return need <= 0 or self._can_get_blocks(need)
 
     @property

@@ -212,13 +212,15 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
-    def match(self, tokens: list[int], namespace: str, extra: list[str | None] | None) -> Any:
+    def _match(self, tokens: list[int], namespace: str, extra: Any, **bounds: Any) -> Pair | None:
+        """`match` on both (with `bounds`: max_hit_tokens, atomic_spans); the pair of
+        sequences, or None when both refused it."""
         out = self.both(
-            lambda: self.cache.match(tokens, namespace=namespace, extra=extra),
-            lambda: self.model.match(tokens, namespace=namespace, extra=extra),
+            lambda: self.cache.match(tokens, namespace=namespace, extra=extra, **bounds),
+            lambda: self.model.match(tokens, namespace=namespace, extra=extra, **bounds),
         )
-        assert out is not None
+        if out is None:
+            return None
         real, model = out
         assert real.num_cached_tokens == model.num_cached_tokens
         assert real.num_host_tokens == model.num_host_tokens
@@ -229,6 +231,12 @@ class CacheVersusModel(RuleBasedStateMachine):
             assert real.restore.step == model.restore.step == real.num_cached_tokens
         pair = Pair(real, model)
         self.open_sequences[id(real)] = pair
+        return pair
+
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
+    def match(self, tokens: list[int], namespace: str, extra: list[str | None] | None) -> Any:
+        pair = self._match(tokens, namespace, extra)
+        assert pair is not None
         return pair
 
     @rule(
@@ -252,28 +260,12 @@ class CacheVersusModel(RuleBasedStateMachine):
         """[R82], [R83]: a capped match and atomic spans (malformed ones too: both raise);
         with `prefill`, the prompt is then computed and committed whatever the hit
         (max_hit=0: vLLM's prompt-logprobs request, deduplicated into the cache)."""
-        out = self.both(
-            lambda: self.cache.match(
-                tokens, namespace=namespace, extra=extra, max_hit_tokens=max_hit,
-                atomic_spans=spans,
-            ),
-            lambda: self.model.match(
-                tokens, namespace=namespace, extra=extra, max_hit_tokens=max_hit,
-                atomic_spans=spans,
-            ),
-        )  # fmt: skip
-        if out is None:
+        pair = self._match(tokens, namespace, extra, max_hit_tokens=max_hit, atomic_spans=spans)
+        if pair is None:
             return multiple()
-        real, model = out
-        assert real.num_cached_tokens == model.num_cached_tokens
-        assert real.num_host_tokens == model.num_host_tokens
-        assert real.branch_step == model.branch_step
-        assert (real.restore is None) == (model.restore is None)
-        hit = real.num_cached_tokens
+        hit = pair.real.num_cached_tokens
         assert max_hit is None or hit <= max_hit
         assert not any(start < hit < end for start, end in spans)
-        pair = Pair(real, model)
-        self.open_sequences[id(real)] = pair
         if prefill:
             if self.host:
                 self.load(pair)

@@ -14,13 +14,17 @@ import pytest
 from cache import (
     BlockPinReceipt,
     BlockStored,
+    BlockTrie,
     CacheError,
     CheckpointError,
     ConfigError,
+    Copy,
     InvalidArgument,
     InvalidType,
+    ManualCopies,
     OutOfBlocks,
     PinError,
+    Sequence,
     SequenceNotLive,
 )
 from cache.block_hash import chain, root_hash, to_wire
@@ -321,14 +325,20 @@ def test_rolling_decode_checkpoint_drops_the_previous_one() -> None:
     trie.check()
 
 
-def test_drop_checkpoint_refuses_pinned_and_ignores_other_prefixes() -> None:
+def _saving(step: int) -> tuple[BlockTrie, ManualCopies, Sequence, Copy]:
+    """An SSM trie whose PROMPT request committed 2 blocks and is saving at `step`."""
     trie, copies = ssm_trie()
     assert copies is not None
     seq = trie.match(PROMPT)
     trie.allocate(seq, 17)
     trie.commit(seq, 8)
-    copy = trie.save(seq, 6, state(1.0))
+    copy = trie.save(seq, step, state(1.0))
     assert copy is not None
+    return trie, copies, seq, copy
+
+
+def test_drop_checkpoint_refuses_pinned_and_ignores_other_prefixes() -> None:
+    trie, copies, seq, copy = _saving(6)
     before = frozen(trie.snapshot())
     with pytest.raises(PinError):
         trie.drop_checkpoint(seq, 6)  # its save copy is in flight
@@ -350,13 +360,7 @@ def test_drop_checkpoint_refuses_pinned_and_ignores_other_prefixes() -> None:
 
 
 def test_drop_checkpoint_leaves_a_withdrawn_checkpoint_to_its_last_pin() -> None:
-    trie, copies = ssm_trie()
-    assert copies is not None
-    seq = trie.match(PROMPT)
-    trie.allocate(seq, 17)
-    trie.commit(seq, 8)
-    copy = trie.save(seq, 8, state(1.0))
-    assert copy is not None
+    trie, copies, seq, copy = _saving(8)
     copies.fail(copy)  # [R46]: withdrawn, held by its producer pin until reaped
     assert trie.drop_checkpoint(seq, 8) is False
     trie.poll()
