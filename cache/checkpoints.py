@@ -356,11 +356,18 @@ class CheckpointStore:
         self._stats.evicted_checkpoints += released
         return freed
 
-    def drop_chosen(self, ck: Checkpoint) -> bool:
-        """Release `ck` because the engine asked for it ([R86]): its slots on both tiers
-        and its frozen tail go back, as an eviction's would (`evicted_checkpoints`,
-        the same events). Raises `PinError` when it is pinned (changing nothing);
-        False for one that is not matchable (withdrawn: it goes with its last pin)."""
+    def drop_chosen(
+        self, anchor: Node, step: int, tail: tuple[int, ...], tail_extra: Hashable
+    ) -> bool:
+        """Release the checkpoint on `anchor` after exactly `step` tokens, if it has this
+        tail and tail identity, because the engine asked for it ([R86]): its slots on
+        both tiers and its frozen tail go back, as an eviction's would
+        (`evicted_checkpoints`, the same events). Raises `PinError` when it is pinned
+        (changing nothing); False when there is no such checkpoint, or it is not
+        matchable (withdrawn: it goes with its last pin)."""
+        ck = self.nodes.checkpoint.get(anchor)
+        if ck is None or (ck.step, ck.tail, ck.tail_extra) != (step, tail, tail_extra):
+            return False  # none, or another prefix's
         if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # not matchable
             return False
         if ck.pins:

@@ -925,20 +925,16 @@ class BlockTrie:
                 raise InvalidArgument(
                     f"drop_checkpoint: step={step} outside 1..{len(seq.token_list)} for {seq!r}"
                 )
-            size = self._block_size
-            depth, rem = divmod(step, size)
+            depth, rem = divmod(step, self._block_size)
             if depth > len(seq.path):  # its anchor is not on the sequence's path
                 return False
             anchor = seq.path[depth - 1] if depth else self._roots.get(seq.namespace)
-            ck = self._nodes.checkpoint.get(anchor) if anchor is not None else None
-            if ck is None or ck.step != step:
+            if anchor is None:
                 return False
-            if rem and (
-                ck.tail != tuple(seq.token_list[depth * size : step])
-                or ck.tail_extra != block_identity(seq.extra, depth)
-            ):
-                return False  # another prefix's checkpoint
-            return self._checkpoints.drop_chosen(ck)
+            tail = tuple(seq.token_list[step - rem : step])
+            return self._checkpoints.drop_chosen(
+                anchor, step, tail, block_identity(seq.extra, depth) if rem else None
+            )
         finally:
             self._gate.release()
 
