@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from cache.block_hash import MASK64
 from cache.kv_pool import KVBlockPool
 from cache.node import NO_BLOCK, NO_NODE, Node, NodeTable
-from cache.sequence import check_redeemable
 from spec.errors import ConfigError, InvalidArgument, InvalidType
 from spec.lifecycle import RECEIPT, ReceiptState, ReceiptTrigger
 
@@ -187,9 +186,8 @@ class BlockPins:
         self.receipts[id(receipt)] = receipt
         return receipt
 
-    def unpin(self, owner: object, receipt: BlockPinReceipt) -> None:
-        """Redeem `receipt` ([R85]): drop its references; a second use raises `PinError`."""
-        check_redeemable("unpin_blocks", receipt, BlockPinReceipt, owner, self.receipts)
+    def unpin(self, receipt: BlockPinReceipt) -> None:
+        """Redeem `receipt`, an outstanding one ([R85]): drop its references."""
         receipt.state = RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, receipt)
         del self.receipts[id(receipt)]
         self._kv.decref_all(receipt.blocks)

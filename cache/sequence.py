@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from spec.errors import InvalidType, PinError
@@ -61,18 +61,26 @@ class PinReceipt:
 
 
 def check_redeemable(
-    operation: str, receipt: object, kind: type, owner: object, outstanding: dict[int, Any]
+    receipt: object,
+    kind: type,
+    owner: object,
+    outstanding: dict[int, Any],
+    issuer: Callable[..., object],
 ) -> None:
-    """Raise unless `receipt` is a `kind` receipt that `owner` issued and holds in
-    `outstanding` (by id): `InvalidType` for another type, `PinError` for a receipt
-    already redeemed or not `owner`'s (single use, [R3], [R40], [R85])."""
+    """Raise unless `receipt` is a `kind` receipt that `owner`'s `issuer` (its `pin` or
+    `pin_blocks`) gave and `outstanding` (by id) still holds: `InvalidType` for another
+    type, `PinError` for one already redeemed or not `owner`'s (single use: [R3],
+    [R40], [R85]). Errors name the redeeming call, `un` + the issuer's name."""
+    operation = f"un{issuer.__name__}"
     if not isinstance(receipt, kind):
         raise InvalidType(f"{operation} takes a {kind.__name__}, got {type(receipt).__name__}")
-    if getattr(receipt, "owner", None) is not owner or outstanding.get(id(receipt)) is not receipt:
-        if getattr(receipt, "used", False) and getattr(receipt, "owner", None) is owner:
+    mine = getattr(receipt, "owner", None) is owner
+    if not mine or outstanding.get(id(receipt)) is not receipt:
+        if mine and getattr(receipt, "used", False):
             raise PinError(f"{operation}: {receipt!r} was already used")
-        issuer = operation.removeprefix("un")  # unpin: pin(); unpin_blocks: pin_blocks()
-        raise PinError(f"{operation}: {receipt!r} was not issued by this cache's {issuer}()")
+        raise PinError(
+            f"{operation}: {receipt!r} was not issued by this cache's {issuer.__name__}()"
+        )
 
 
 class Sequence:

@@ -1051,7 +1051,7 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("unpin()")
         try:
-            check_redeemable("unpin", receipt, PinReceipt, self, self._explicit)
+            check_redeemable(receipt, PinReceipt, self, self._explicit, self.pin)
             del self._explicit[id(receipt)]
             self._checkpoints.unpin(receipt)
         finally:
@@ -1085,7 +1085,9 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("unpin_blocks()")
         try:
-            self._block_pins.unpin(self, receipt)
+            receipts = self._block_pins.receipts
+            check_redeemable(receipt, BlockPinReceipt, self, receipts, self.pin_blocks)
+            self._block_pins.unpin(receipt)
         finally:
             self._gate.release()
 
