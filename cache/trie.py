@@ -28,13 +28,14 @@ without waiting: detection, not support; no call ever blocks on it). Copy
 completion and failure may be reported from any thread: `cache.completions`
 records them for the owning thread, which applies them in `poll()` ([R61]).
 
-This module is longer than the ~400 lines the others keep to (about 970
-lines: 680 of code, 200 of docstrings, 110 blank or comments): it holds twenty
-public operations and fifteen properties (counts, pools, the copy engine, the
-clock). Each operation takes the lock and checks its sequence; `match`,
+This module is longer than the ~400 lines the others keep to (about 1140
+lines: 780 of code, 270 of docstrings, 120 blank or comments): it holds
+twenty-four public operations and sixteen properties (counts, pools, the copy
+engine, the clock). Each operation takes the lock and checks its sequence; `match`,
 `allocate`, `commit`, `release` and `evict`, the hot path, plan here over the
 modules above (no call per block spent on reaching a plan elsewhere); `load`,
-`save` and `restore` hand their plans to the module that owns them.
+`save`, `restore` and `drop_checkpoint` hand their plans to the module that
+owns them.
 """
 
 from __future__ import annotations
@@ -916,25 +917,7 @@ class BlockTrie:
             raise self._concurrent_use("drop_checkpoint()")
         try:
             self._check_live(seq)
-            step = int_arg("step", step)
-            if not self._ssm:
-                raise CheckpointError(
-                    "drop_checkpoint: SSM checkpoints are disabled (num_checkpoint_slots=0)"
-                )
-            if not 1 <= step <= len(seq.token_list):
-                raise InvalidArgument(
-                    f"drop_checkpoint: step={step} outside 1..{len(seq.token_list)} for {seq!r}"
-                )
-            depth, rem = divmod(step, self._block_size)
-            if depth > len(seq.path):  # its anchor is not on the sequence's path
-                return False
-            anchor = seq.path[depth - 1] if depth else self._roots.get(seq.namespace)
-            if anchor is None:
-                return False
-            tail = tuple(seq.token_list[step - rem : step])
-            return self._checkpoints.drop_chosen(
-                anchor, step, tail, block_identity(seq.extra, depth) if rem else None
-            )
+            return self._checkpointing.drop(seq, step)
         finally:
             self._gate.release()
 
@@ -1074,8 +1057,7 @@ class BlockTrie:
             raise self._concurrent_use("pin_blocks()")
         try:
             hashes = block_hashes_arg(block_hashes)
-            if not isinstance(namespace, str):
-                raise InvalidType(f"namespace must be a str, got {type(namespace).__name__}")
+            namespace = namespace_arg(namespace)  # [R60]
             return self._block_pins.pin(self, hashes, namespace)
         finally:
             self._gate.release()
