@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cache.block_pins import BlockPinReceipt
     from cache.config import CacheConfig, HostTierUnusedWarning
     from cache.copies import Copy, CopyEngine, DeviceCopies, ManualCopies
     from cache.errors import (
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from cache.trie import BlockTrie
 
 _HOME: dict[str, str] = {
+    "BlockPinReceipt": "cache.block_pins",
     **dict.fromkeys(("CacheConfig", "HostTierUnusedWarning"), "cache.config"),
     **dict.fromkeys(("Copy", "CopyEngine", "DeviceCopies", "ManualCopies"), "cache.copies"),
     **dict.fromkeys(
@@ -85,6 +87,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AllBlocksCleared",
     "AllocationFailed",
+    "BlockPinReceipt",
     "BlockRemoved",
     "BlockStored",
     "BlockTrie",

@@ -1,4 +1,5 @@
-"""`Checkpointing`: what `save` and `restore` decide and queue ([R25]-[R34]).
+"""`Checkpointing`: what `save` and `restore` decide and queue ([R25]-[R34]), and which
+checkpoint `drop_checkpoint` releases ([R86]).
 
 `BlockTrie.save` and `BlockTrie.restore` take their operation lock and check
 the sequence is live, then call these. `save` validates its step and decides
@@ -164,6 +165,29 @@ class Checkpointing:
         if not tail and self._checkpoints.host_slots is not None:
             self._offload.store_checkpoint(ck)
         return copy
+
+    def drop(self, seq: Sequence, step: int) -> bool:
+        """`BlockTrie.drop_checkpoint` past its checks (`seq` is live) ([R86]): validates
+        `step` as `save` does, finds the anchor on `seq`'s path and has the store
+        release the checkpoint of `seq`'s prefix there, if any."""
+        step = int_arg("step", step)
+        if not self._ssm:
+            raise CheckpointError(
+                "drop_checkpoint: SSM checkpoints are disabled (num_checkpoint_slots=0)"
+            )
+        if not 1 <= step <= len(seq.token_list):
+            raise InvalidArgument(
+                f"drop_checkpoint: step={step} outside 1..{len(seq.token_list)} for {seq!r}"
+            )
+        depth, rem = divmod(step, self._block_size)
+        if depth > len(seq.path):  # its anchor is not on the sequence's path
+            return False
+        anchor = seq.path[depth - 1] if depth else self._roots.get(seq.namespace)
+        if anchor is None:
+            return False
+        tail = tuple(seq.token_list[step - rem : step])
+        tail_extra = block_identity(seq.extra, depth) if rem else None
+        return self._checkpoints.drop_chosen(anchor, step, tail, tail_extra)
 
     def restore(self, seq: Sequence, runtime_state: Mapping[str, torch.Tensor] | None) -> Copy:
         """`BlockTrie.restore` past its checks (`seq` is live)."""

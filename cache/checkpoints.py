@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Hashable
 
+from cache.bounds import NO_SPANS, Spans, span_start
 from cache.event_log import EventLog
 from cache.keys import block_identity
 from cache.kv_pool import KVBlockPool
@@ -113,15 +114,22 @@ class CheckpointStore:
         extra: tuple[Hashable, ...] | None,
         max_depth: int,
         block_size: int,
+        cap: int | None = None,
+        spans: Spans = NO_SPANS,
     ) -> Checkpoint | None:
         """The deepest matchable checkpoint on `path[:max_depth]` (or the root)
-        whose prefix equals `tokens`' and that leaves a token to compute ([R13]).
+        whose prefix equals `tokens`' and that leaves a token to compute ([R13]),
+        at most `cap` tokens ([R82]) and ending inside none of `spans` ([R83]).
         `anchored` is the table's node -> checkpoint map."""
         last = len(tokens) - 1
+        if cap is not None and cap < last:
+            last = cap
         for depth in range(max_depth, -1, -1):
             anchor = path[depth - 1] if depth else root
             ck = anchored.get(anchor)
             if ck is None or ck.step > last:
+                continue
+            if spans and span_start(spans, ck.step) >= 0:
                 continue
             if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # matchable
                 continue
@@ -347,6 +355,29 @@ class CheckpointStore:
                 released += 1
         self._stats.evicted_checkpoints += released
         return freed
+
+    def drop_chosen(
+        self, anchor: Node, step: int, tail: tuple[int, ...], tail_extra: Hashable
+    ) -> bool:
+        """Release the checkpoint on `anchor` after exactly `step` tokens, if it has this
+        tail and tail identity, because the engine asked for it ([R86]): its slots on
+        both tiers and its frozen tail go back, as an eviction's would
+        (`evicted_checkpoints`, the same events). Raises `PinError` when it is pinned
+        (changing nothing); False when there is no such checkpoint, or it is not
+        matchable (withdrawn: it goes with its last pin)."""
+        ck = self.nodes.checkpoint.get(anchor)
+        if ck is None or (ck.step, ck.tail, ck.tail_extra) != (step, tail, tail_extra):
+            return False  # none, or another prefix's
+        if not CHECKPOINT.can(CheckpointTrigger.PIN, ck.state):  # not matchable
+            return False
+        if ck.pins:
+            raise PinError(
+                f"drop_checkpoint: {ck!r} holds {ck.pins} pin(s); a pinned checkpoint is "
+                "never released"
+            )
+        self.drop(ck, CheckpointTrigger.EVICT)
+        self._stats.evicted_checkpoints += 1
+        return True
 
     def frozen_tails(self) -> list[Checkpoint]:
         """Unpinned checkpoints holding a frozen tail block, in no particular order."""

@@ -532,10 +532,25 @@ class Evictor:
         # Each evictable leaf frees at least its own block; count deeper only when short.
         if len(self.index) >= short or self._reclaimable(short) >= short:
             return True
+        return self.reclaimable() >= short
+
+    def reclaimable(self) -> int:
+        """Every block `make_room` could free ([R16], [R80]; no change made): the
+        eviction cascade's node blocks and their frozen tails, then the frozen
+        tails of the other unpinned checkpoints. A write-back store it would
+        queue counts as finished ([R52]).
+
+        Not kept as a running count (that would cost every reference change on
+        the hot path a walk up the trie): it walks the evictable leaves, the
+        parents they leave evictable and the unpinned checkpoints, so it costs
+        O(reclaimable nodes + unpinned checkpoints), never the cached nodes
+        that are held.
+        """
+        if not self.index and not self.checkpoints.lru:
+            return 0
         doomed: set[Node] = set()
         total = self._reclaimable(self._kv.capacity + 1, doomed)
-        total += sum(1 for ck in self.checkpoints.frozen_tails() if ck.anchor not in doomed)
-        return total >= short
+        return total + sum(1 for ck in self.checkpoints.frozen_tails() if ck.anchor not in doomed)
 
     def _reclaimable(self, limit: int, doomed: set[Node] | None = None) -> int:
         """KV blocks that evictions could free, counted up to `limit` (no change made).

@@ -110,6 +110,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "sequences": sequences,
         "copies": copies,
         "explicit_pins": [r.checkpoint.serial for r in trie._explicit.values()],
+        "block_pins": trie._block_pins.held_blocks(),
         "evictable_index": [serial[n] for n in trie._evictor.index],
         "checkpoint_index": [c.serial for c in trie._checkpoints.lru],
         "event_blocks": trie._events.replayed_blocks(),

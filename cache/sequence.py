@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
+from spec.errors import InvalidType, PinError
 from spec.lifecycle import ReceiptState
 
 if TYPE_CHECKING:
@@ -57,6 +58,29 @@ class PinReceipt:
 
     def __repr__(self) -> str:
         return f"<PinReceipt step={self.checkpoint.step}{' used' if self.used else ''}>"
+
+
+def check_redeemable(
+    receipt: object,
+    kind: type,
+    owner: object,
+    outstanding: dict[int, Any],
+    issuer: Callable[..., object],
+) -> None:
+    """Raise unless `receipt` is a `kind` receipt that `owner`'s `issuer` (its `pin` or
+    `pin_blocks`) gave and `outstanding` (by id) still holds: `InvalidType` for another
+    type, `PinError` for one already redeemed or not `owner`'s (single use: [R3],
+    [R40], [R85]). Errors name the redeeming call, `un` + the issuer's name."""
+    operation = f"un{issuer.__name__}"
+    if not isinstance(receipt, kind):
+        raise InvalidType(f"{operation} takes a {kind.__name__}, got {type(receipt).__name__}")
+    mine = getattr(receipt, "owner", None) is owner
+    if not mine or outstanding.get(id(receipt)) is not receipt:
+        if mine and getattr(receipt, "used", False):
+            raise PinError(f"{operation}: {receipt!r} was already used")
+        raise PinError(
+            f"{operation}: {receipt!r} was not issued by this cache's {issuer.__name__}()"
+        )
 
 
 class Sequence:

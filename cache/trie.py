@@ -28,13 +28,14 @@ without waiting: detection, not support; no call ever blocks on it). Copy
 completion and failure may be reported from any thread: `cache.completions`
 records them for the owning thread, which applies them in `poll()` ([R61]).
 
-This module is longer than the ~400 lines the others keep to (about 1070
-lines: 750 of code, 240 of docstrings, 110 blank or comments): it holds
-twenty-one public operations and fifteen properties (counts, pools, the copy engine, the
-clock). Each operation takes the lock and checks its sequence; `match`,
+This module is longer than the ~400 lines the others keep to (about 1140
+lines: 780 of code, 270 of docstrings, 120 blank or comments): it holds
+twenty-four public operations and sixteen properties (counts, pools, the copy
+engine, the clock). Each operation takes the lock and checks its sequence; `match`,
 `allocate`, `commit`, `release` and `evict`, the hot path, plan here over the
 modules above (no call per block spent on reaching a plan elsewhere); `load`,
-`save` and `restore` hand their plans to the module that owns them.
+`save`, `restore` and `drop_checkpoint` hand their plans to the module that
+owns them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from cache import inspection
+from cache.block_pins import BlockPinReceipt, BlockPins, block_hashes_arg
+from cache.bounds import NO_SPANS, Spans, bounded_depth, hit_bounds
 from cache.checkpointing import Checkpointing
 from cache.checkpoints import CheckpointStore
 from cache.completions import CompletionQueue
@@ -67,7 +70,7 @@ from cache.node import (
     state_code,
 )
 from cache.offload import Offload, refuse_unloaded
-from cache.sequence import PinReceipt, RestorePoint, Sequence
+from cache.sequence import PinReceipt, RestorePoint, Sequence, check_redeemable
 from cache.state_pool import CheckpointSlotPool, storage_spans
 from cache.stats import CacheStats
 from cache.transfers import Transfers
@@ -87,7 +90,6 @@ from spec.errors import (
     ConfigError,
     InvalidArgument,
     InvalidType,
-    PinError,
     SequenceNotLive,
 )
 from spec.lifecycle import CheckpointTrigger, NodeState
@@ -227,6 +229,13 @@ class BlockTrie:
         self._transfers = Transfers(
             engine, self._kv, self._slots, self._checkpoints, self._evictor, self.stats
         )
+        self._block_pins = BlockPins(
+            self._nodes,
+            self._kv,
+            self._evictor.settle,
+            self._evictor.settle_block,
+            config.enable_events,
+        )
         self._roots: dict[str, Node] = {}
         self._clock = 0
         self._node_serial = 0
@@ -277,6 +286,25 @@ class BlockTrie:
     def num_evictable_blocks(self) -> int:
         """Nodes in the eviction index (evictable leaves right now)."""
         return len(self._evictor.index)
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """KV blocks an `allocate` could obtain right now ([R80]): the free ones plus
+        every block making room could free ([R16]: the eviction cascade, parents
+        left evictable included, and unpinned checkpoints' frozen tails). SGLang's
+        `evictable_size` plus its free blocks; vLLM's free blocks counting the
+        cached ones nobody uses.
+
+        Computed when read (`Evictor.reclaimable`): O(reclaimable nodes + unpinned
+        checkpoints), not a running count; for one admission decision,
+        `can_allocate` is cheaper (it stops counting once the need is covered).
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("num_reclaimable_blocks")
+        try:
+            return self._kv.num_free + self._evictor.reclaimable()
+        finally:
+            self._gate.release()
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -454,6 +482,8 @@ class BlockTrie:
         extra: object = None,
         *,
         cache_salt: str | None = None,
+        max_hit_tokens: int | None = None,
+        atomic_spans: Spans | list[tuple[int, int]] = NO_SPANS,
     ) -> Sequence:
         """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
 
@@ -465,9 +495,13 @@ class BlockTrie:
         Returns a live `Sequence` whose `num_cached_tokens` is the hit ([R13]):
         attention-only, the longest cached full-block prefix; SSM, the step of
         the deepest published checkpoint whose prefix equals the request's. At
-        least one token is left to compute. Raises `InvalidType` /
-        `InvalidArgument` on malformed input ([R1]), changing nothing.
-        Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly (invariant 8).
+        least one token is left to compute. `max_hit_tokens` caps the hit
+        ([R82]: 0 is vLLM's prompt-logprobs request, which hits nothing yet
+        commits as usual); `atomic_spans`, `(start, end)` token ranges such as
+        multimodal items, are hit whole or not at all ([R83]). Raises
+        `InvalidType` / `InvalidArgument` on malformed input ([R1]), changing
+        nothing. Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly
+        (invariant 8).
         """
         if not self._gate.acquire(False):
             raise self._concurrent_use("match()")
@@ -482,6 +516,8 @@ class BlockTrie:
                 salt = cache_salt_arg(cache_salt)  # [R60]
                 if salt:
                     ext = salted(ext, salt)  # [R91]
+            bounded = max_hit_tokens is not None or atomic_spans is not NO_SPANS
+            cap, spans = hit_bounds(max_hit_tokens, atomic_spans) if bounded else (None, ())
             size = self._block_size
             keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
             root = self._roots.get(namespace)
@@ -490,6 +526,8 @@ class BlockTrie:
             if root is not None:  # [R12]: walk while a child with the exact key exists
                 path = self._walk(root, keys, ext is None and self._key_hash is None)
             usable = min(len(path), (len(toks) - 1) // size)
+            if bounded:  # [R82], [R83]; an SSM hit ends at a checkpoint: spans checked there
+                usable = bounded_depth(usable, size, cap, NO_SPANS if self._ssm else spans)
             ck: Checkpoint | None = None
             host_nodes: list[Node] = []
             waits: list[Copy] = []
@@ -499,11 +537,14 @@ class BlockTrie:
                 hit = usable * size
                 if self._host is not None:
                     depth, host_nodes, waits, waiting = self._host.split(path, usable)
+                    if bounded and depth + len(host_nodes) < usable:  # a failed load cut it
+                        usable = bounded_depth(depth + len(host_nodes), size, cap, spans)
+                        depth, host_nodes, waits, waiting = self._host.split(path, usable)
                     hit = (depth + len(host_nodes)) * size  # shorter past a failed load
             else:
                 if root is not None and t.checkpoint:
                     ck = CheckpointStore.deepest_match(
-                        t.checkpoint, root, path, toks, ext, usable, size
+                        t.checkpoint, root, path, toks, ext, usable, size, cap, spans
                     )
                 depth = ck.step // size if ck is not None else 0
                 hit = ck.step if ck is not None else 0
@@ -567,19 +608,47 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("allocate()")
         try:
-            self._check_live(seq)
-            n = int_arg("num_tokens", num_tokens)
-            if not 0 <= n <= len(seq.token_list):
-                raise InvalidArgument(
-                    f"allocate: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
-                )
+            need = self._blocks_needed("allocate", seq, num_tokens)
             if seq.host_path or seq.load_failed:
                 refuse_unloaded("allocate", seq)
-            need = -(-n // self._block_size) - len(seq.blocks)
             if need <= 0:
                 return
             self._evictor.make_room(need)
             seq.blocks.extend(self._kv.take(need))
+        finally:
+            self._gate.release()
+
+    def _blocks_needed(self, operation: str, seq: Sequence, num_tokens: int) -> int:
+        """Validate an allocation of `num_tokens` ([R1]-[R3]); the blocks it adds ([R15])."""
+        self._check_live(seq)
+        n = int_arg("num_tokens", num_tokens)
+        if not 0 <= n <= len(seq.token_list):
+            raise InvalidArgument(
+                f"{operation}: num_tokens={n} outside 0..{len(seq.token_list)} for {seq!r}"
+            )
+        return -(-n // self._block_size) - len(seq.blocks)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `allocate(seq, num_tokens)` would succeed now ([R81]); changes nothing.
+
+        Validates as `allocate` does and raises what it would raise for a
+        malformed call (`InvalidType`, `SequenceNotLive`, `InvalidArgument`);
+        returns False where `allocate` would refuse on the cache's state
+        (`OutOfBlocks`, or `HostTierError` for a hit still to be loaded). Costs
+        O(1) when the free blocks or the evictable leaves cover the need, else
+        at most what `num_reclaimable_blocks` costs. The one case it cannot
+        foresee is [R52]'s: under write-back with an engine that cannot wait
+        for its stores (`ManualCopies`), True means the room exists once the
+        stores `allocate` queues have finished.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("can_allocate()")
+        try:
+            need = self._blocks_needed("can_allocate", seq, num_tokens)
+            if seq.host_path or seq.load_failed:
+                return False
+            short = need - self._kv.num_free
+            return short <= 0 or self._evictor.room_possible(short)
         finally:
             self._gate.release()
 
@@ -686,6 +755,8 @@ class BlockTrie:
                     stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
                     path.extend(stored)
                     if hashes is not None:
+                        if self._block_pins.indexing:  # [R84]: findable by hash
+                            self._block_pins.added(seq.namespace, hashes, stored)
                         under_root = t.is_root(parent)
                         events.stored(
                             None if under_root else parent_hash,
@@ -859,6 +930,27 @@ class BlockTrie:
         finally:
             self._gate.release()
 
+    def drop_checkpoint(self, seq: Sequence, step: int) -> bool:
+        """Release the checkpoint after exactly `step` tokens of `seq`'s prefix ([R86]).
+
+        lmdeploy keeps one rolling decode checkpoint per sequence: once a newer
+        one is saved, the engine drops the old one. The checkpoint must sit on
+        `seq`'s path (its anchor committed) and be the one for `seq`'s own
+        tokens (tail included); its device slot, host slot and frozen tail go
+        back to their pools, counted in `evicted_checkpoints`, with the events
+        an eviction emits. Returns False when there is none there; raises
+        `PinError` when it is pinned (a copy in flight, a match or an explicit
+        pin hold it), `CheckpointError` when SSM is off, `InvalidArgument` for
+        a step outside the sequence; a failure changes nothing.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("drop_checkpoint()")
+        try:
+            self._check_live(seq)
+            return self._checkpointing.drop(seq, step)
+        finally:
+            self._gate.release()
+
     def clear(self) -> None:
         """Drop every cached block and checkpoint ([R22]).
 
@@ -869,10 +961,12 @@ class BlockTrie:
             raise self._concurrent_use("clear()")
         try:
             inflight = self._transfers.inflight
-            if self._live or inflight or self._explicit:
+            block_pins = self._block_pins.receipts
+            if self._live or inflight or self._explicit or block_pins:
                 raise CacheError(
                     f"clear: {len(self._live)} live sequences, {len(inflight)} copies in "
-                    f"flight and {len(self._explicit)} explicit pins must be finished first"
+                    f"flight, {len(self._explicit)} explicit pins and {len(block_pins)} "
+                    "block pins must be finished first"
                 )
             with self._events.muted():
                 self._evictor.write_back = False  # dropped, not stored
@@ -970,14 +1064,42 @@ class BlockTrie:
         if not self._gate.acquire(False):
             raise self._concurrent_use("unpin()")
         try:
-            if not isinstance(receipt, PinReceipt):
-                raise InvalidType(f"unpin takes a PinReceipt, got {type(receipt).__name__}")
-            if receipt.owner is not self or self._explicit.get(id(receipt)) is not receipt:
-                if receipt.used and receipt.owner is self:
-                    raise PinError(f"unpin: {receipt!r} was already used")
-                raise PinError(f"unpin: {receipt!r} was not issued by this cache's pin()")
+            check_redeemable(receipt, PinReceipt, self, self._explicit, self.pin)
             del self._explicit[id(receipt)]
             self._checkpoints.unpin(receipt)
+        finally:
+            self._gate.release()
+
+    def pin_blocks(self, block_hashes: list[int], namespace: str = "") -> BlockPinReceipt:
+        """Pin the cached blocks of `namespace` that events published with these hashes
+        ([R84]): no eviction frees them until `unpin_blocks(receipt)`.
+
+        For a router or a disaggregated prefill that names blocks by the hash of
+        their `BlockStored` event (compared by its low 64 bits, the wire value:
+        the `vllm` scheme's full digest names the same block). Each block is pinned
+        once, by one reference on its device block, as a request's block table
+        holds it (so its ancestors stay too); hashes of blocks not cached on the
+        device are skipped; `receipt.pinned` counts the blocks pinned. Needs
+        `CacheConfig(enable_events=True)` (`ConfigError`). Raises `InvalidType` /
+        `InvalidArgument` for malformed hashes or namespace.
+        """
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("pin_blocks()")
+        try:
+            hashes = block_hashes_arg(block_hashes)
+            namespace = namespace_arg(namespace)  # [R60]
+            return self._block_pins.pin(self, hashes, namespace)
+        finally:
+            self._gate.release()
+
+    def unpin_blocks(self, receipt: BlockPinReceipt) -> None:
+        """Redeem a receipt from `pin_blocks` ([R85]); a second use raises `PinError`."""
+        if not self._gate.acquire(False):
+            raise self._concurrent_use("unpin_blocks()")
+        try:
+            receipts = self._block_pins.receipts
+            check_redeemable(receipt, BlockPinReceipt, self, receipts, self.pin_blocks)
+            self._block_pins.unpin(receipt)
         finally:
             self._gate.release()
 

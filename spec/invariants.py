@@ -51,10 +51,12 @@ def _receipts(snap: Snapshot) -> Counter[int]:
 
 
 def reference_conservation(snap: Snapshot) -> Problems:
-    """1. Count = [attached node] + sequences + [frozen tail] + copies; 0 iff free, once."""
+    """1. Count = [attached node] + sequences + [frozen tail] + copies + block pins ([R84]);
+    0 iff free, once."""
     expected: Counter[int] = Counter()
     for block in _attached(snap):
         expected[block] += 1
+    expected.update(snap["block_pins"])
     for seq in snap["sequences"].values():
         expected.update(seq["blocks"])
     for ck in snap["checkpoints"].values():
@@ -550,6 +552,7 @@ def rollback(before: Snapshot, after: Snapshot) -> Problems:
         "checkpoint_index",
         "stats",
         "explicit_pins",
+        "block_pins",
         "free_host_blocks",
         "host_refcounts",
         "host_index",

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy as _copylib
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from spec.errors import (
@@ -242,6 +242,24 @@ class ModelReceipt:
         return str(state.value)
 
 
+class ModelBlockReceipt:
+    """A `pin_blocks` receipt: one reference on each pinned block (single use)."""
+
+    def __init__(self, owner: ReferenceCache, blocks: list[int]) -> None:
+        self._owner = owner
+        self._blocks = blocks
+        self._used = False
+
+    @property
+    def pinned(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def state(self) -> str:
+        state = ReceiptState.REDEEMED if self._used else ReceiptState.ISSUED
+        return str(state.value)
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -315,6 +333,29 @@ def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
     return tuple(extra)
 
 
+def _check_bounds(max_hit_tokens: object, atomic_spans: object) -> tuple[int | None, list[Any]]:
+    # [R1], [R2], [R82], [R83]: the cap, then each span in order.
+    if max_hit_tokens is not None:
+        _check_int(max_hit_tokens, "match: max_hit_tokens")
+        if max_hit_tokens < 0:  # type: ignore[operator]
+            raise InvalidArgument(f"match: max_hit_tokens must be >= 0, got {max_hit_tokens}")
+    if not isinstance(atomic_spans, (list, tuple)):
+        raise InvalidType(f"match: atomic_spans must be a list or tuple, got {atomic_spans!r}")
+    for span in atomic_spans:
+        if not isinstance(span, (list, tuple)) or len(span) != 2:
+            raise InvalidType(f"match: an atomic span must be a (start, end) pair, got {span!r}")
+        for x in span:
+            _check_int(x, "match: atomic span bounds")
+        if not 0 <= span[0] < span[1]:
+            raise InvalidArgument(f"match: an atomic span needs 0 <= start < end, got {span!r}")
+    return max_hit_tokens, list(atomic_spans)  # type: ignore[return-value]
+
+
+def _hit_allowed(end: int, cap: int | None, spans: list[Any]) -> bool:
+    """[R82], [R83]: a hit of `end` tokens is at most `cap` and cuts no span."""
+    return (cap is None or end <= cap) and not any(s < end < e for s, e in spans)
+
+
 def _identity(extra: tuple[Hashable, ...] | None, i: int) -> Hashable:
     """Block `i`'s extra identity (None past the end of `extra`) ([R5])."""
     if extra is None or i >= len(extra):
@@ -339,7 +380,11 @@ class ReferenceCache:
         host_write: str = "through",
         num_host_checkpoint_slots: int = 0,
         stats_window: int = 1000,
+        block_hash: Callable[[str, tuple[Key, ...]], int] | None = None,
     ) -> None:
+        """`block_hash(namespace, keys)`: the published (64-bit) hash of the block at
+        the end of the path `keys` from the namespace's root, as the cache's events
+        name it; None models a cache without events ([R84])."""
         for name, value, low in (
             ("stats_window", stats_window, 1),
             ("block_size", block_size, 1),
@@ -378,6 +423,8 @@ class ReferenceCache:
         self._sequences: list[ModelSequence] = []  # live sequences, in creation order
         self._copies: list[ModelCopy] = []  # unreaped copies, oldest first
         self._receipts: list[ModelReceipt] = []  # outstanding explicit receipts
+        self._block_receipts: list[ModelBlockReceipt] = []  # outstanding `pin_blocks` ([R84])
+        self._block_hash = block_hash
         self._stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
         self._window = stats_window
         self._recent: list[tuple[int, int, int]] = []  # [R90]: (sequence, queried, hit)
@@ -409,6 +456,9 @@ class ReferenceCache:
                 rc[c.frozen_block] += 1
         for cp in self._copies:
             for b in cp._blocks:
+                rc[b] += 1
+        for r in self._block_receipts:  # [R84]: a block pin is a reference
+            for b in r._blocks:
                 rc[b] += 1
         return rc
 
@@ -872,6 +922,8 @@ class ReferenceCache:
         extra: Sequence[Hashable] | None = None,
         *,
         cache_salt: str | None = None,
+        max_hit_tokens: int | None = None,
+        atomic_spans: Sequence[Sequence[int]] = (),
     ) -> ModelSequence:
         toks = _check_tokens(tokens, "match", nonempty=True)
         ns = _check_namespace(namespace)
@@ -887,6 +939,7 @@ class ReferenceCache:
             first = _identity(ext, 0)
             own = () if first is None else first if isinstance(first, tuple) else (first,)
             ext = ((*own, cache_salt), *(ext[1:] if ext else ()))
+        cap, spans = _check_bounds(max_hit_tokens, atomic_spans)
         B = self._B
         root = self._roots.get(ns)
         if root is None:  # [R11]
@@ -908,6 +961,14 @@ class ReferenceCache:
         seq = ModelSequence(self, self._seq_counter, toks, ns, ext)
         seq.branch_step = kv_depth * B
         if self._num_slots == 0:  # [R13]
+            if self._num_host:  # [R50]: nothing at or past a failed load is readable
+                for i, node in enumerate(walked[:limit]):
+                    load = self._load_of(node)
+                    if load is not None and load.failed:
+                        limit = i
+                        break
+            while limit > 0 and not _hit_allowed(limit * B, cap, spans):  # [R82], [R83]
+                limit -= 1
             seq._path = walked[:limit]
             seq.num_cached_tokens = limit * B
             if self._num_host:  # [R50]: the device part, then the host part
@@ -943,7 +1004,7 @@ class ReferenceCache:
                     CheckpointState.PINNED,
                 ):
                     continue
-                if c.step > len(toks) - 1:
+                if c.step > len(toks) - 1 or not _hit_allowed(c.step, cap, spans):
                     continue
                 if c.step % B != 0 and (
                     c.tail != toks[d * B : c.step] or c.tail_extra != _identity(ext, d)
@@ -981,19 +1042,35 @@ class ReferenceCache:
         toks = _check_tokens(tokens, "append", nonempty=False)
         s.tokens = s.tokens + toks  # [R4]: an empty append changes nothing
 
-    def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
-        s = self._check_seq(seq, "allocate")
-        n = _check_int(num_tokens, "allocate: num_tokens")
+    def _check_allocation(self, op: str, seq: ModelSequence, num_tokens: int) -> ModelSequence:
+        s = self._check_seq(seq, op)
+        n = _check_int(num_tokens, f"{op}: num_tokens")
         if not 0 <= n <= len(s.tokens):
             raise InvalidArgument(
-                f"allocate: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, "
-                f"got {n}"
+                f"{op}: num_tokens must be in [0, {len(s.tokens)}] for sequence #{s._id}, got {n}"
             )
+        return s
+
+    def allocate(self, seq: ModelSequence, num_tokens: int) -> None:
+        s = self._check_allocation("allocate", seq, num_tokens)
         self._refuse_unloaded("allocate", s)
-        need = -(-n // self._B) - len(s.block_ids)  # [R15]
+        need = -(-num_tokens // self._B) - len(s.block_ids)  # [R15]
         if need <= 0:
             return
         self._grow(s, need)
+
+    def can_allocate(self, seq: ModelSequence, num_tokens: int) -> bool:
+        """[R81]: `allocate`'s validation, then whether it would get its blocks."""
+        s = self._check_allocation("can_allocate", seq, num_tokens)
+        if s._load_failed or s._host_path:  # allocate would refuse ([R50])
+            return False
+        need = -(-num_tokens // self._B) - len(s.block_ids)
+        return need <= 0 or self._can_get_blocks(need)
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """[R80]: free blocks + what making room could free ([R16])."""
+        return len(self._free_block_list()) + self._reclaimable()
 
     def _refuse_unloaded(self, op: str, s: ModelSequence) -> None:
         """[R50]: the operation needs the whole hit on the device."""
@@ -1290,6 +1367,34 @@ class ReferenceCache:
             raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {k}")
         return self._evict_checkpoints(k)
 
+    def drop_checkpoint(self, seq: ModelSequence, step: int) -> bool:
+        s = self._check_seq(seq, "drop_checkpoint")
+        st = _check_int(step, "drop_checkpoint: step")
+        if self._num_slots == 0:
+            raise CheckpointError("drop_checkpoint: SSM checkpoints are disabled")
+        if not 1 <= st <= len(s.tokens):
+            raise InvalidArgument(
+                f"drop_checkpoint: step must be in [1, {len(s.tokens)}] for sequence "
+                f"#{s._id}, got {st}"
+            )
+        B = self._B
+        d = st // B
+        if d > len(s._path):  # [R86]: the anchor must be on the sequence's path
+            return False
+        anchor = self._roots.get(s.namespace) if d == 0 else s._path[d - 1]
+        c = None if anchor is None else anchor.checkpoint
+        tail_extra = _identity(s.extra, d) if st % B else None
+        if c is None or (c.step, c.tail, c.tail_extra) != (st, s.tokens[d * B : st], tail_extra):
+            return False
+        state = self._checkpoint_state(c)
+        if state is CheckpointState.PINNED:
+            raise PinError(f"drop_checkpoint: checkpoint #{c.serial} is pinned")
+        if state is not CheckpointState.PUBLISHED:  # withdrawn: goes with its last pin
+            return False
+        self._drop_checkpoint(c, CheckpointTrigger.EVICT)
+        self._stats["evicted_checkpoints"] += 1
+        return True
+
     def poll(self) -> int:
         # [R35]: reaping releases the copy's pins and references.
         finished = [cp for cp in self._copies if cp.done or cp.failed]
@@ -1323,6 +1428,50 @@ class ReferenceCache:
         receipt._used = True
         self._receipts.remove(receipt)
         self._release_withdrawn()
+
+    def pin_blocks(self, block_hashes: Sequence[int], namespace: str = "") -> ModelBlockReceipt:
+        # [R1]: the hashes (container, element types, ranges), then the namespace.
+        if not isinstance(block_hashes, (list, tuple)):
+            raise InvalidType(
+                f"pin_blocks: block_hashes must be a list or tuple, got {block_hashes!r}"
+            )
+        for h in block_hashes:
+            _check_int(h, "pin_blocks: a block hash")
+        for h in block_hashes:
+            if h < 0:
+                raise InvalidArgument(f"pin_blocks: a block hash is never negative, got {h}")
+        ns = _check_namespace(namespace)
+        if self._block_hash is None:
+            raise ConfigError("pin_blocks: blocks are named by event hashes; events are off")
+        wanted = {h % 2**64 for h in block_hashes}  # a wide digest: its wire value
+        blocks = [  # [R84]: every device block of the namespace published with a listed hash
+            n.block
+            for n in self._nodes
+            if n.namespace == ns and n.block is not None and self._node_hash(n) in wanted
+        ]
+        receipt = ModelBlockReceipt(self, blocks)
+        self._block_receipts.append(receipt)
+        return receipt
+
+    def _node_hash(self, node: _Node) -> int:
+        keys: list[Key] = []
+        at: _Node | None = node
+        while at is not None and at.key is not None:
+            keys.append(at.key)
+            at = at.parent
+        assert self._block_hash is not None
+        return self._block_hash(node.namespace, tuple(reversed(keys)))
+
+    def unpin_blocks(self, receipt: ModelBlockReceipt) -> None:
+        if not isinstance(receipt, ModelBlockReceipt):
+            raise InvalidType(f"unpin_blocks: expected a block pin receipt, got {receipt!r}")
+        if receipt._owner is not self:
+            raise PinError("unpin_blocks: the receipt belongs to another cache")
+        if receipt._used:  # [R85]: single use
+            raise PinError("unpin_blocks: the receipt was already used")
+        RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, "block pin receipt")
+        receipt._used = True
+        self._block_receipts.remove(receipt)
 
     def pending(self) -> list[ModelCopy]:
         return [cp for cp in self._copies if not cp.done and not cp.failed]
@@ -1504,6 +1653,7 @@ class ReferenceCache:
             sequences=sequences,
             copies=copies,
             explicit_pins=[r._checkpoint.serial for r in self._receipts],
+            block_pins=[b for r in self._block_receipts for b in r._blocks],
             evictable_index=[n.serial for n in self._evictable_index()],
             checkpoint_index=[c.serial for c in self._checkpoint_index()],
             event_blocks=None,

@@ -90,6 +90,7 @@ class Snapshot(TypedDict):
     sequences: dict[int, SequenceView]
     copies: dict[int, CopyView]
     explicit_pins: list[int]  # checkpoint id of each outstanding explicit receipt
+    block_pins: list[int]  # block held by each outstanding `pin_blocks` receipt, per receipt
     evictable_index: list[int]  # node ids, in eviction order
     checkpoint_index: list[int]  # checkpoint ids, in eviction order
     event_blocks: set[int] | None  # blocks cached according to the emitted events
@@ -122,6 +123,7 @@ def observe(snap: Snapshot) -> dict[str, Any]:
     """An id-free view of a snapshot: what two implementations must agree on."""
     nodes = snap["nodes"]
     named = {nid: node_path(snap, nid) for nid in nodes}
+    owner = {n["block"]: nid for nid, n in nodes.items() if n["block"] is not None}
     checkpoints = {
         (named[c["anchor"]], c["step"], c["tail"], c["tail_extra"]): (
             c["state"],
@@ -171,6 +173,9 @@ def observe(snap: Snapshot) -> dict[str, Any]:
         "copies": sorted(
             (c["kind"], len(c["blocks"]), len(c["pins"]), c["state"], len(c["host_blocks"]))
             for c in snap["copies"].values()
+        ),
+        "block_pins": sorted(
+            (repr(named[owner[b]]) if b in owner else "private" for b in snap["block_pins"]),
         ),
         "stats": dict(snap["stats"]),
     }

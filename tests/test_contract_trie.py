@@ -487,7 +487,8 @@ def test_clear_refuses_while_an_explicit_pin_is_held() -> None:
     trie.release(hit)
     before = trie.snapshot()
     message = (
-        "clear: 0 live sequences, 0 copies in flight and 1 explicit pins must be finished first"
+        "clear: 0 live sequences, 0 copies in flight, 1 explicit pins and 0 block pins "
+        "must be finished first"
     )
     with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
         trie.clear()

@@ -40,7 +40,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache import BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
+from cache import BlockPinReceipt, BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
+from cache.block_hash import chain, root_hash, to_wire
 from spec import invariants
 from spec.errors import AllocationFailed, CopyFailed
 from spec.lifecycle import CopyState, ReceiptState
@@ -54,6 +55,17 @@ NAMESPACES = st.sampled_from(["", "ns"])
 EXTRAS = st.one_of(st.none(), st.lists(st.sampled_from([None, "img"]), max_size=3))
 FRACTION = st.floats(0.0, 1.0)
 SALTS = st.sampled_from([None, None, None, "", "s", "t"])
+MAX_HIT = st.one_of(st.none(), st.integers(-1, 8))
+SPANS = st.lists(st.tuples(st.integers(-1, 8), st.integers(0, 9)), max_size=3)
+
+
+def _published_hash(namespace: str, keys: tuple[tuple[tuple[int, ...], Any], ...]) -> int:
+    """The hash events publish for the block at the end of `keys` (the model's view of
+    a path: (block tokens, block identity) from the root), scheme "xxh3", seed 0."""
+    h = root_hash(namespace)
+    for tokens, identity in keys:
+        h = chain(h, tokens, identity, namespace=namespace)
+    return to_wire(h)
 
 
 def _code(namespace: str, prefix: tuple[int, ...]) -> float:
@@ -85,6 +97,7 @@ class CacheVersusModel(RuleBasedStateMachine):
     live = Bundle("live")
     copies = Bundle("copies")
     receipts = Bundle("receipts")
+    block_receipts = Bundle("block_receipts")
 
     @initialize(
         block_size=st.integers(2, 3),
@@ -142,12 +155,14 @@ class CacheVersusModel(RuleBasedStateMachine):
             host_write=host_write,
             num_host_checkpoint_slots=host_slots,
             stats_window=num_blocks - 2,
+            block_hash=_published_hash,
         )
         self.patterns = 0
         self.saved: dict[tuple[Any, ...], float] = {}
         self.pending_restores: list[PendingRestore] = []
         self.open_sequences: dict[int, Pair] = {}  # for teardown's drain
         self.open_receipts: dict[int, Pair] = {}
+        self.open_block_receipts: dict[int, Pair] = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -200,20 +215,15 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
 
-    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS, salt=SALTS)
-    def match(
-        self,
-        tokens: list[int],
-        namespace: str,
-        extra: list[str | None] | None,
-        salt: str | None = None,
-    ) -> Any:
-        """`salt`: vLLM's cache_salt ([R91]), folded into block 0's identity."""
+    def _match(self, tokens: list[int], namespace: str, extra: Any, **bounds: Any) -> Pair | None:
+        """`match` on both (with `bounds`: max_hit_tokens, atomic_spans); the pair of
+        sequences, or None when both refused it."""
         out = self.both(
-            lambda: self.cache.match(tokens, namespace=namespace, extra=extra, cache_salt=salt),
-            lambda: self.model.match(tokens, namespace=namespace, extra=extra, cache_salt=salt),
+            lambda: self.cache.match(tokens, namespace=namespace, extra=extra, **bounds),
+            lambda: self.model.match(tokens, namespace=namespace, extra=extra, **bounds),
         )
-        assert out is not None
+        if out is None:
+            return None
         real, model = out
         assert real.num_cached_tokens == model.num_cached_tokens
         assert real.num_host_tokens == model.num_host_tokens
@@ -224,6 +234,52 @@ class CacheVersusModel(RuleBasedStateMachine):
             assert real.restore.step == model.restore.step == real.num_cached_tokens
         pair = Pair(real, model)
         self.open_sequences[id(real)] = pair
+        return pair
+
+    @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS, salt=SALTS)
+    def match(
+        self,
+        tokens: list[int],
+        namespace: str,
+        extra: list[str | None] | None,
+        salt: str | None = None,
+    ) -> Any:
+        """`salt`: vLLM's cache_salt ([R91]), folded into block 0's identity."""
+        pair = self._match(tokens, namespace, extra, cache_salt=salt)
+        assert pair is not None
+        return pair
+
+    @rule(
+        target=live,
+        tokens=TOKENS,
+        namespace=NAMESPACES,
+        extra=EXTRAS,
+        max_hit=MAX_HIT,
+        spans=SPANS,
+        prefill=st.booleans(),
+    )
+    def bounded_match(
+        self,
+        tokens: list[int],
+        namespace: str,
+        extra: list[str | None] | None,
+        max_hit: int | None,
+        spans: list[tuple[int, int]],
+        prefill: bool,
+    ) -> Any:
+        """[R82], [R83]: a capped match and atomic spans (malformed ones too: both raise);
+        with `prefill`, the prompt is then computed and committed whatever the hit
+        (max_hit=0: vLLM's prompt-logprobs request, deduplicated into the cache)."""
+        pair = self._match(tokens, namespace, extra, max_hit_tokens=max_hit, atomic_spans=spans)
+        if pair is None:
+            return multiple()
+        hit = pair.real.num_cached_tokens
+        assert max_hit is None or hit <= max_hit
+        assert not any(start < hit < end for start, end in spans)
+        if prefill:
+            if self.host:
+                self.load(pair)
+            self.allocate_and_commit_all(pair)
         return pair
 
     @rule(target=live, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS)
@@ -254,6 +310,42 @@ class CacheVersusModel(RuleBasedStateMachine):
         self.both(
             lambda: self.cache.allocate(seq.real, n), lambda: self.model.allocate(seq.model, n)
         )
+
+    @rule(seq=live, fraction=FRACTION, overshoot=st.integers(0, 1))
+    def can_allocate_then_allocate(self, seq: Pair, fraction: float, overshoot: int) -> None:
+        """[R80], [R81]: the admission queries change nothing, agree with the model and
+        with each other, and `allocate` succeeds exactly when `can_allocate` said so
+        (but for [R52]'s write-back stores that `ManualCopies` never finishes)."""
+        reclaimable = self.cache.num_reclaimable_blocks
+        assert reclaimable == self.model.num_reclaimable_blocks
+        n = int(len(seq.real.tokens) * fraction) + overshoot
+        before = observe(self.cache.snapshot())
+        out = self.both(
+            lambda: self.cache.can_allocate(seq.real, n),
+            lambda: self.model.can_allocate(seq.model, n),
+        )
+        assert observe(self.cache.snapshot()) == before
+        if out is None:  # a malformed call: both raised what allocate raises
+            return
+        can, model_can = out
+        assert can is model_can
+        need = -(-n // self.block_size) - len(seq.real.block_ids)
+        if not (seq.real.host_path or seq.real.load_failed) and need > 0:
+            assert can == (need <= reclaimable)
+        errors: list[Exception] = []
+
+        def allocate() -> None:
+            try:
+                self.cache.allocate(seq.real, n)
+            except Exception as exc:
+                errors.append(exc)
+                raise
+
+        self.both(allocate, lambda: self.model.allocate(seq.model, n))
+        if errors and "complete them, poll, retry" in str(errors[0]):  # [R52]
+            assert can
+        else:
+            assert can == (not errors), errors
 
     @rule(seq=live, fraction=FRACTION)
     def commit(self, seq: Pair, fraction: float) -> None:
@@ -350,15 +442,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         chunked prefill's; block-aligned checkpoints go to the host tier), the branch
         point, or anywhere."""
         real_seq: Sequence = seq.real
-        if where == "committed":
-            step = max(1, real_seq.num_committed_tokens)
-        elif where == "block":
-            size = self.block_size
-            step = max(1, real_seq.num_committed_tokens // size * size)
-        elif where == "branch":
-            step = max(1, min(real_seq.branch_step, real_seq.num_committed_tokens))
-        else:
-            step = max(1, round(len(real_seq.tokens) * fraction))
+        step = self._step(real_seq, where, fraction)
         self.patterns += 1
         pattern = float(self.patterns)
         runtime = self._runtime(pattern)
@@ -381,6 +465,33 @@ class CacheVersusModel(RuleBasedStateMachine):
             return multiple()
         self.saved[self._identity(real_seq, step)] = pattern
         return Pair(real, model)
+
+    def _step(self, seq: Sequence, where: str, fraction: float) -> int:
+        """A step where an engine would save (or drop) a checkpoint: the committed end,
+        its last block boundary, the branch point, or anywhere."""
+        if where == "committed":
+            return max(1, seq.num_committed_tokens)
+        if where == "block":
+            return max(1, seq.num_committed_tokens // self.block_size * self.block_size)
+        if where == "branch":
+            return max(1, min(seq.branch_step, seq.num_committed_tokens))
+        return max(1, round(len(seq.tokens) * fraction))
+
+    @rule(
+        seq=live,
+        where=st.sampled_from(["committed", "block", "branch", "any"]),
+        fraction=FRACTION,
+    )
+    def drop_checkpoint(self, seq: Pair, where: str, fraction: float) -> None:
+        """[R86]: the engine releases a checkpoint of its sequence's prefix (lmdeploy's
+        rolling decode checkpoint); attention-only, both refuse."""
+        step = self._step(seq.real, where, fraction)
+        out = self.both(
+            lambda: self.cache.drop_checkpoint(seq.real, step),
+            lambda: self.model.drop_checkpoint(seq.model, step),
+        )
+        if out is not None:
+            assert out[0] is out[1]
 
     @precondition(lambda self: self.ssm)
     @rule(target=copies, seq=live)
@@ -430,6 +541,60 @@ class CacheVersusModel(RuleBasedStateMachine):
         # The receipt lifecycle: whatever happened, both agree, and a used one is redeemed.
         assert receipt.real.state == receipt.model.state
         assert receipt.real.state == ReceiptState.REDEEMED
+
+    @rule(
+        target=block_receipts,
+        tokens=TOKENS,
+        namespace=NAMESPACES,
+        extra=EXTRAS,
+        keep=st.lists(st.booleans(), min_size=4, max_size=4),
+        unknown=st.booleans(),
+    )
+    def pin_blocks(
+        self,
+        tokens: list[int],
+        namespace: str,
+        extra: list[str | None] | None,
+        keep: list[bool],
+        unknown: bool,
+    ) -> Any:
+        """[R84]: a router pins blocks by the hashes events published for a prompt's
+        blocks (some of them, maybe one no block has, maybe a repeat)."""
+        size = self.block_size
+        keys: list[tuple[tuple[int, ...], Any]] = []
+        hashes: list[int] = []
+        for i in range(len(tokens) // size):
+            identity = extra[i] if extra is not None and i < len(extra) else None
+            keys.append((tuple(tokens[i * size : (i + 1) * size]), identity))
+            if keep[i % 4]:
+                hashes.append(_published_hash(namespace, tuple(keys)))
+        if unknown:
+            hashes += [12345, *hashes[:1]]
+        out = self.both(
+            lambda: self.cache.pin_blocks(hashes, namespace=namespace),
+            lambda: self.model.pin_blocks(hashes, namespace=namespace),
+        )
+        assert out is not None
+        pair = Pair(*out)
+        assert pair.real.pinned == pair.model.pinned
+        assert pair.real.state == pair.model.state == ReceiptState.ISSUED
+        self.open_block_receipts[id(pair.real)] = pair
+        return pair
+
+    @rule(receipt=consumes(block_receipts))
+    def unpin_blocks(self, receipt: Pair) -> None:
+        """[R85]: the pins go; what only they held is evictable again."""
+        assert isinstance(receipt.real, BlockPinReceipt)
+        self.both(
+            lambda: self.cache.unpin_blocks(receipt.real),
+            lambda: self.model.unpin_blocks(receipt.model),
+        )
+        self.open_block_receipts.pop(id(receipt.real), None)
+        assert receipt.real.state == receipt.model.state == ReceiptState.REDEEMED
+        self.both(  # single use: a second one raises PinError in both
+            lambda: self.cache.unpin_blocks(receipt.real),
+            lambda: self.model.unpin_blocks(receipt.model),
+        )
 
     @rule(receipt=receipts)
     def unpin_twice_is_refused(self, receipt: Pair) -> None:
@@ -551,6 +716,9 @@ class CacheVersusModel(RuleBasedStateMachine):
             if not pair.real.used:
                 self.cache.unpin(pair.real)
                 self.model.unpin(pair.model)
+        for pair in self.open_block_receipts.values():
+            self.cache.unpin_blocks(pair.real)
+            self.model.unpin_blocks(pair.model)
         self.manual.complete_all()
         self.model.complete_all()
         assert self.cache.poll() == self.model.poll()
