@@ -93,6 +93,8 @@ class Snapshot(TypedDict):
     evictable_index: list[int]  # node ids, in eviction order
     checkpoint_index: list[int]  # checkpoint ids, in eviction order
     event_blocks: set[int] | None  # blocks cached according to the emitted events
+    # node id -> the block hash its events publish (the 64 wire bits; None: events off)
+    event_block_hashes: dict[int, int] | None
     # checkpoint slots published according to the emitted checkpoint events (None: not emitted)
     event_checkpoint_slots: set[int] | None
     stats: dict[str, Any]
