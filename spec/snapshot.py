@@ -120,6 +120,21 @@ def node_path(snap: Snapshot, node_id: int) -> tuple[str, tuple[Any, ...]]:
     return node["namespace"], tuple(keys)
 
 
+def sequence_view(s: SequenceView, named: dict[int, Any]) -> tuple[Any, ...]:
+    """An id-free view of one sequence, its nodes named by `named` (node id -> name)."""
+    return (
+        s["namespace"],
+        s["tokens"],
+        len(s["blocks"]),
+        s["num_cached_tokens"],
+        s["num_committed_tokens"],
+        tuple(named[p] for p in s["path"]),
+        s["holds_match_pin"],
+        tuple(named[p] for p in s["host_path"]),
+        s["num_host_tokens"],
+    )
+
+
 def observe(snap: Snapshot) -> dict[str, Any]:
     """An id-free view of a snapshot: what two implementations must agree on."""
     nodes = snap["nodes"]
@@ -154,20 +169,7 @@ def observe(snap: Snapshot) -> dict[str, Any]:
             for c in snap["checkpoint_index"]
         ],
         "sequences": sorted(
-            [
-                (
-                    s["namespace"],
-                    s["tokens"],
-                    len(s["blocks"]),
-                    s["num_cached_tokens"],
-                    s["num_committed_tokens"],
-                    tuple(named[p] for p in s["path"]),
-                    s["holds_match_pin"],
-                    tuple(named[p] for p in s["host_path"]),
-                    s["num_host_tokens"],
-                )
-                for s in snap["sequences"].values()
-            ],
+            [sequence_view(s, named) for s in snap["sequences"].values()],
             key=repr,  # extra identities may mix None and other types
         ),
         "copies": sorted(

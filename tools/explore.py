@@ -58,7 +58,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spec.snapshot import Snapshot, node_path, observe
+from spec.snapshot import Snapshot, node_path, observe, sequence_view
 
 Op = tuple[Any, ...]
 """One operation: its name, then its arguments (indexes into the explorer's handle
@@ -330,15 +330,9 @@ def state_key(m: Any) -> str:
         restore = s["restore_checkpoint"]
         seqs.append(
             (
-                s["namespace"],
-                s["tokens"],
+                sequence_view(s, nodes),
                 s["extra"],
-                len(s["blocks"]),
-                s["num_cached_tokens"],
-                s["num_committed_tokens"],
-                tuple(nodes[n] for n in s["path"]),
                 checkpoints.get(restore, "gone") if restore is not None else None,
-                s["holds_match_pin"],
                 pair.real.branch_step,
             )
         )
