@@ -248,6 +248,7 @@ def test_vllm_scheme_hashes_what_vllm_cannot_name_apart_in_its_own_layout(
     no vLLM block's layout) and never equal the block vLLM would confuse them with."""
     h = BlockHasher("vllm", 0)
     assert not vllm_expressible(extra, namespace)
+    assert not vllm_expressible(("a",))  # the default namespace is ""
     parent = h.root(namespace)
     got = h.chain(parent, [1, 2], extra, namespace)
     payload = (parent.to_bytes(32, "big"), (1, 2), namespace, extra)
