@@ -15,7 +15,8 @@ engine's do:
   destination it writes: a torn copy (`ManualCopies` fails it, [R46]);
 - an interrupt while a save or restore is being queued (the engine runs the
   copy at once, as `DeviceCopies` does on a CPU, and it is interrupted the
-  same way, [R38]): the operation must be undone and the interrupt propagate.
+  same way, [R38]): the operation must be undone and the interrupt propagate;
+  the interrupted restore is then queued again, which needs its pin back.
 
 A request whose restore failed did not get its state: the soak aborts it, as
 an engine would. It runs `check()` every `check_every` steps, verifies every
@@ -188,13 +189,20 @@ class _Soak:
         if seq.restore is not None and rng.random() < 0.8:
             out = {"s": torch.zeros(2, dtype=torch.float64)}
             step = seq.restore.step
-            if rng.random() < QUEUE_INTERRUPT_RATE and not self._interrupted_while_queued(
+            retry = rng.random() < QUEUE_INTERRUPT_RATE
+            if retry and not self._interrupted_while_queued(
                 "restore", lambda: self.trie.restore(seq, out)
             ):
                 return
-            if out["s"][0] == POISON:  # interrupted, undone: the engine tries again
-                out["s"].zero_()
-            copy = self.trie.restore(seq, out)
+            out["s"].zero_()  # (an interrupted copy left garbage there)
+            try:
+                copy = self.trie.restore(seq, out)
+            except CheckpointError as exc:
+                if not retry:
+                    raise
+                # [R38]: the interrupted restore was undone, so it can be queued again
+                self.failures.append(f"restore after an interrupted one: {exc}")
+                return
             self.queued.setdefault(id(seq), []).append(copy)
             self.restores.append((copy, out, _value(seq.namespace, seq.tokens[:step]), seq))
 
