@@ -1522,7 +1522,7 @@ def test_an_identity_on_a_later_block_never_hits_a_plain_block_with_its_tokens(
 
 def test_an_aligned_save_at_the_end_of_the_block_table_publishes() -> None:
     """A block-aligned save whose step is the whole block table (no block past it) has no
-    frozen tail and reads no block past the table. Kills trie.py `save__mutmut_180`
+    frozen tail and reads no block past the table. Kills checkpointing.py `save__mutmut_173`
     (an IndexError after the checkpoint was reserved)."""
     trie, copies = ssm_trie(block_size=B)
     seq = trie.match([1, 1, 2, 2, 3])
