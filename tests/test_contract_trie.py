@@ -1510,7 +1510,7 @@ def test_an_identity_on_a_later_block_never_hits_a_plain_block_with_its_tokens(
     """Invariant 5 with the identity on block 1, under an only child: the walk must not
     take its bytes-only fast path for a request that carries identities (a bytes
     identity would make `bytes.startswith((tokens, identity))` a wrong hit; other
-    identities a TypeError). Kills trie.py `match__mutmut_48`."""
+    identities a TypeError). Kills trie.py `match__mutmut_54`."""
     trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
     serve(trie, [1, 1, 2, 2, 3])  # two plain blocks: the root's child has an only child
     seq = trie.match([1, 1, 2, 2, 3], extra=(None, identity))
