@@ -4,20 +4,38 @@
 millions of random operations (match, restore, allocate + commit, append,
 save, release, abort, pin, unpin, evict, evict_checkpoints, copies completed
 in random order, poll) from a tiny token alphabet, so prefixes collide and
-eviction, skipping and make-room run constantly. It runs `check()` every
-`check_every` steps, verifies every finished restore read exactly the state
-saved for its prefix, and reports steps/s and memory (RSS, and tracemalloc's
-current size after warm-up and at the end): the goal is zero failures and flat
-memory.
+eviction, skipping and make-room run constantly. Copies also go wrong, as an
+engine's do:
 
-Expected refusals (`OutOfBlocks`, a restore after prefill, ...) are counted,
-not failures; a failure is any other exception, a wrong restored state, or a
-failed `check()`.
+- ``fail``: the engine sees a queued copy go wrong (`CopyEngine.fail`);
+- ``cancel``: a request is cancelled: every copy it queued that is still
+  pending fails, and the request is aborted;
+- ``interrupt``: a `KeyboardInterrupt` inside a copy's data movement while it
+  is completed, after the copy has written garbage (`POISON`) into every
+  destination it writes: a torn copy (`ManualCopies` fails it, [R46]);
+- an interrupt while a save or restore is being queued (the engine runs the
+  copy at once, as `DeviceCopies` does on a CPU, and it is interrupted the
+  same way, [R38]): the operation must be undone and the interrupt propagate;
+  the interrupted restore is then queued again, which needs its pin back.
+
+A request whose restore failed did not get its state: the soak aborts it, as
+an engine would. It runs `check()` every `check_every` steps, verifies every
+finished restore read exactly the state saved for its prefix (a checkpoint a
+torn save left matchable, or a slot reused under a copy, would give `POISON`
+or another prefix's value), that every failed copy reports `CopyFailed`, and
+reports steps/s and memory (RSS, and tracemalloc's current size after warm-up
+and at the end): the goal is zero failures and flat memory.
+
+Expected refusals (`OutOfBlocks`, a restore after prefill, ...) and the
+injected interrupts are counted, not failures; a failure is any other
+exception, an interrupt that does not come out of the operation it was
+injected in, a wrong restored state, or a failed `check()`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -38,16 +56,80 @@ from cache import (
     CacheConfig,
     CheckpointError,
     Copy,
+    CopyFailed,
     IllegalTransition,
     ManualCopies,
     OutOfBlocks,
     PinReceipt,
     Sequence,
 )
+from cache.moves import Move
 
 NAMESPACES = ("", "lora")
 MAX_LIVE = 8
 MAX_RECEIPTS = 4
+POISON = -1.0
+"""What a torn copy leaves in its destinations (no prefix's state value is negative)."""
+QUEUE_INTERRUPT_RATE = 0.05
+"""The share of saves and restores interrupted while being queued."""
+
+
+class _Torn:
+    """A copy's moves, interrupted: writes `POISON` into every destination, then
+    raises `KeyboardInterrupt` (what a Ctrl-C half-way through a copy leaves)."""
+
+    __slots__ = ("moves",)
+
+    def __init__(self, moves: list[Move]) -> None:
+        self.moves = moves
+
+    def run(self) -> None:
+        for move in self.moves:
+            dst = move.tensors()[-1]
+            dst.fill_(POISON)
+        raise KeyboardInterrupt("injected inside a copy")
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for move in self.moves for t in move.tensors())
+
+    def release(self) -> None:
+        for move in self.moves:
+            move.release()
+
+
+def _tear(copy: Copy) -> None:
+    """Make `copy`'s next data movement a torn one (see `_Torn`)."""
+    if copy.moves:
+        copy.moves[:] = [_Torn(list(copy.moves))]
+    else:  # ids-only pools: nothing to poison, the interrupt alone
+        copy.moves[:] = [_Torn([])]
+
+
+class _SoakCopies(ManualCopies):
+    """`ManualCopies` whose next queued copy can be run at once and interrupted,
+    as a CPU copy (run while queued) is by a Ctrl-C: see `arm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._armed = False
+
+    def arm(self) -> None:
+        """Interrupt the next copy queued, inside its data movement."""
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        """Whether the interrupt waits for a copy still (none was queued since `arm`)."""
+        return self._armed
+
+    def _start(self, copy: Copy) -> None:
+        if self._armed:
+            self._armed = False
+            _tear(copy)
+            copy.run()  # raises KeyboardInterrupt after poisoning
 
 
 def _rss_kib() -> int:
@@ -71,7 +153,7 @@ class _Soak:
 
     def __init__(self, seed: int, block_size: int, num_blocks: int, slots: int) -> None:
         self.rng = random.Random(seed)
-        self.copies = ManualCopies()
+        self.copies = _SoakCopies()
         config = CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -85,11 +167,14 @@ class _Soak:
         self.trie = BlockTrie(config, copies=self.copies)
         self.live: list[Sequence] = []
         self.receipts: list[PinReceipt] = []
-        self.restores: list[tuple[Copy, dict[str, torch.Tensor], float]] = []
+        self.restores: list[tuple[Copy, dict[str, torch.Tensor], float, Sequence]] = []
+        self.queued: dict[int, list[Copy]] = {}  # id(seq) -> the copies it queued
         self.ops: dict[str, int] = {}
         self.refused: dict[str, int] = {}
         self.failures: list[str] = []
         self.restores_verified = 0
+        self.restores_failed = 0
+        self.interrupts = {"queued": 0, "running": 0}
 
     # ------------------------------------------------------------ operations
 
@@ -104,8 +189,40 @@ class _Soak:
         if seq.restore is not None and rng.random() < 0.8:
             out = {"s": torch.zeros(2, dtype=torch.float64)}
             step = seq.restore.step
-            copy = self.trie.restore(seq, out)
-            self.restores.append((copy, out, _value(seq.namespace, seq.tokens[:step])))
+            retry = rng.random() < QUEUE_INTERRUPT_RATE
+            if retry and not self._interrupted_while_queued(
+                "restore", lambda: self.trie.restore(seq, out)
+            ):
+                return
+            out["s"].zero_()  # (an interrupted copy left garbage there)
+            try:
+                copy = self.trie.restore(seq, out)
+            except CheckpointError as exc:
+                if not retry:
+                    raise
+                # [R38]: the interrupted restore was undone, so it can be queued again
+                self.failures.append(f"restore after an interrupted one: {exc}")
+                return
+            self.queued.setdefault(id(seq), []).append(copy)
+            self.restores.append((copy, out, _value(seq.namespace, seq.tokens[:step]), seq))
+
+    def _interrupted_while_queued(self, op: str, call: Any) -> bool:
+        """Queue a copy that is interrupted inside its data movement ([R38]): the
+        interrupt must come out of `call`, and the operation be undone. Returns
+        whether the caller may go on (the interrupt came out)."""
+        copies = self.copies
+        copies.arm()
+        try:
+            call()
+        except KeyboardInterrupt:
+            self.interrupts["queued"] += 1
+            return True
+        finally:
+            queued = not copies.armed
+            copies.disarm()  # a call refused (or a save skipped) before it queued
+        if queued:
+            self.failures.append(f"{op}: an interrupt inside its copy did not come out of it")
+        return False
 
     def prefill(self) -> None:
         if not self.live:
@@ -126,16 +243,33 @@ class _Soak:
         seq = self.rng.choice(candidates)
         step = self.rng.randint(1, seq.num_committed_tokens)
         value = _value(seq.namespace, seq.tokens[:step])
-        self.trie.save(seq, step, {"s": torch.full((2,), value, dtype=torch.float64)})
+        runtime = {"s": torch.full((2,), value, dtype=torch.float64)}
+        if self.rng.random() < QUEUE_INTERRUPT_RATE:
+            self._interrupted_while_queued("save", lambda: self.trie.save(seq, step, runtime))
+            return
+        copy = self.trie.save(seq, step, runtime)
+        if copy is not None:
+            self.queued.setdefault(id(seq), []).append(copy)
 
     def finish(self) -> None:
         if not self.live:
             return
         seq = self.live.pop(self.rng.randrange(len(self.live)))
+        self.queued.pop(id(seq), None)
         if self.rng.random() < 0.8:
             self.trie.release(seq)
         else:
             self.trie.abort(seq)
+
+    def cancel(self) -> None:
+        """The engine cancels a request: its pending copies fail, and it is aborted."""
+        if not self.live:
+            return
+        seq = self.live.pop(self.rng.randrange(len(self.live)))
+        for copy in self.queued.pop(id(seq), []):
+            if not copy.done:
+                self.copies.fail(copy)
+        self.trie.abort(seq)
 
     def pin(self) -> None:
         hits = [s for s in self.live if s.restore is not None]
@@ -152,7 +286,34 @@ class _Soak:
     def complete(self) -> None:
         pending = self.copies.pending()
         if pending:
-            self.copies.complete(self.rng.choice(pending))
+            try:
+                self.copies.complete(self.rng.choice(pending))
+            except CopyFailed:  # it reads a copy that failed: it fails too ([R46])
+                self.refused["complete"] = self.refused.get("complete", 0) + 1
+
+    def fail(self) -> None:
+        """The engine sees a queued copy go wrong."""
+        pending = self.copies.pending()
+        if pending:
+            self.copies.fail(self.rng.choice(pending))
+
+    def interrupt(self) -> None:
+        """A Ctrl-C inside a copy's data movement, after it wrote garbage."""
+        pending = self.copies.pending()
+        if not pending:
+            return
+        copy = self.rng.choice(pending)
+        _tear(copy)
+        try:
+            self.copies.complete(copy)
+        except KeyboardInterrupt:
+            self.interrupts["running"] += 1
+            if not copy.failed:
+                self.failures.append(f"interrupt: {copy!r} was interrupted but is not failed")
+        except CopyFailed:  # it reads a copy that failed: it never ran
+            self.refused["interrupt"] = self.refused.get("interrupt", 0) + 1
+        else:
+            self.failures.append(f"interrupt: an interrupt inside {copy!r} did not come out")
 
     def poll(self) -> None:
         self.trie.poll()
@@ -166,9 +327,21 @@ class _Soak:
 
     def verify_restores(self) -> None:
         waiting = []
-        for copy, out, expected in self.restores:
+        for copy, out, expected, seq in self.restores:
             if not copy.done:
-                waiting.append((copy, out, expected))
+                waiting.append((copy, out, expected, seq))
+            elif copy.failed:  # it never delivered: wait() says so, the engine aborts
+                self.restores_failed += 1
+                try:
+                    copy.wait()
+                except CopyFailed:
+                    pass
+                else:
+                    self.failures.append(f"restore {copy!r} failed but wait() returned")
+                if seq in self.live:
+                    self.live.remove(seq)
+                    self.queued.pop(id(seq), None)
+                    self.trie.abort(seq)
             elif not bool((out["s"] == expected).all()):
                 self.failures.append(f"restore step={copy.step} read {out['s'].tolist()}, "
                                      f"expected {expected}")  # fmt: skip
@@ -178,7 +351,10 @@ class _Soak:
 
     def drain(self) -> None:
         """Finish everything: complete copies, release sequences and receipts."""
-        self.copies.complete_all()
+        for copy in self.copies.pending():
+            if copy.state == "queued":  # (a copy that reads a failed one fails on the way)
+                with contextlib.suppress(CopyFailed):
+                    self.copies.complete(copy)
         self.poll()
         while self.live:
             self.finish()
@@ -199,6 +375,9 @@ _WEIGHTS = {
     "poll": 6,
     "evict": 2,
     "evict_checkpoints": 1,
+    "fail": 1,
+    "cancel": 1,
+    "interrupt": 1,
 }
 _REFUSALS = (OutOfBlocks, CheckpointError)
 
@@ -217,7 +396,9 @@ def run_soak(
 
     Keys: steps, seed, seconds, steps_per_s, checks, check_seconds, failures
     (count) and failure_samples (up to 10), refused (per op), ops (per op),
-    restores_verified, rss_kib_start / rss_kib_end, and with `trace_memory`
+    restores_verified, restores_failed, interrupts ("queued": inside a copy
+    being queued, "running": inside a copy being completed), stats (the
+    trie's, `copies_failed` among them), rss_kib_start / rss_kib_end, and with `trace_memory`
     traced_kib_warm (after 10% of the steps) / traced_kib_end / traced_kib_peak.
     """
     if steps < 1 or check_every < 1:
@@ -278,6 +459,8 @@ def run_soak(
         "refused": dict(sorted(soak.refused.items())),
         "ops": dict(sorted(soak.ops.items())),
         "restores_verified": soak.restores_verified,
+        "restores_failed": soak.restores_failed,
+        "interrupts": dict(soak.interrupts),
         "stats": soak.trie.stats.as_dict(),
         # Every pool take is recorded in `faults.points` (unbounded; see issue notes).
         "fault_points_recorded": len(soak.trie.faults.points),

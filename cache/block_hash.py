@@ -44,7 +44,14 @@ router sees is the digest's low 64 bits (``int.from_bytes(d, "big") &
 (``& (2**64 - 1)``, the identity for ``"xxh3"``) for the published value.
 The namespace plays vLLM's LoRA name: it is prepended to every block's
 ``extra_keys`` (vLLM's ``generate_block_hash_extra_keys`` puts the LoRA name
-first); see `extra_keys`.
+first); see `extra_keys`. vLLM's keys alone do not tell every two blocks
+apart: namespace ``"a"`` with no identity and namespace ``""`` with identity
+``("a",)`` (or ``"a"``) both give ``("a",)``. So vLLM's three-element layout is
+used exactly for the blocks vLLM itself can name apart (`vllm_expressible`:
+no identity, or a non-empty tuple that does not start with a str when the
+namespace is ``""``); every other block hashes ``sha256(cbor([parent_digest,
+[tokens...], namespace, extra]))``, a four-element array no vLLM block hashes
+([R70]).
 
 The extras' modules (`xxhash`) are imported only when a hasher is built.
 """
@@ -74,6 +81,7 @@ __all__ = [
     "extra_keys",
     "root_hash",
     "to_wire",
+    "vllm_expressible",
 ]
 
 Scheme = Literal["xxh3", "vllm"]
@@ -243,6 +251,25 @@ def extra_keys(extra: Hashable, namespace: str = "") -> tuple[object, ...] | Non
     return keys if keys else None
 
 
+def vllm_expressible(extra: Hashable, namespace: str = "") -> bool:
+    """Whether scheme ``"vllm"`` hashes a block with identity `extra` in
+    `namespace` exactly as vLLM does ([R70]).
+
+    True when `extra` is None or a non-empty tuple, unless the namespace is
+    ``""`` and the tuple's first item is a str: vLLM's ``extra_keys`` of that
+    block equal those of the block whose LoRA name is that str (``(ns,) +
+    rest``), and a scalar or empty identity gives the keys of another
+    identity (``"a"`` and ``("a",)``, ``()`` and None). Blocks for which this
+    is False are hashed in blocktrie's own layout instead, so that two
+    different blocks never publish one hash.
+    """
+    if extra is None:
+        return True
+    if not isinstance(extra, tuple) or not extra:
+        return False
+    return bool(namespace) or not isinstance(extra[0], str)
+
+
 # ------------------------------------------------------------ the hasher
 
 
@@ -324,13 +351,11 @@ class BlockHasher:
             def vllm_packed(
                 parent: int, packed: bytes, extra: Hashable = None, namespace: str = ""
             ) -> int:
-                payload = cbor_canonical(
-                    (
-                        parent.to_bytes(32, "big"),
-                        unpack_tokens(packed),
-                        extra_keys(extra, namespace),
-                    )
-                )
+                digest, tokens = parent.to_bytes(32, "big"), unpack_tokens(packed)
+                if vllm_expressible(extra, namespace):
+                    payload = cbor_canonical((digest, tokens, extra_keys(extra, namespace)))
+                else:  # [R70]: a four-element array, which no vLLM block hashes
+                    payload = cbor_canonical((digest, tokens, namespace, extra))
                 return int.from_bytes(hashlib.sha256(payload).digest(), "big")
 
             self.packed_fn = vllm_packed

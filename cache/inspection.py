@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cache.block_hash import to_wire
 from cache.node import NO_NODE, state_name
 from spec import invariants
 from spec.errors import InvariantViolation
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 def snapshot(trie: BlockTrie) -> Snapshot:
     """The whole of `trie` as plain data (ids as in [R43])."""
     nodes: dict[int, NodeView] = {}
+    hashes: dict[int, int] | None = {} if trie._events.enabled else None
     checkpoints: dict[int, CheckpointView] = {}
     t = trie._nodes
     serial = t.serial
@@ -51,6 +53,8 @@ def snapshot(trie: BlockTrie) -> Snapshot:
             "block_host": None if t.host[node] < 0 else t.host[node],
             "residency": t.residency[node],
         }
+        if hashes is not None and not root:
+            hashes[nid] = to_wire(t.block_hash[node])
         if ck is not None:
             checkpoints[ck.serial] = {
                 "anchor": nid,
@@ -114,6 +118,7 @@ def snapshot(trie: BlockTrie) -> Snapshot:
         "evictable_index": [serial[n] for n in trie._evictor.index],
         "checkpoint_index": [c.serial for c in trie._checkpoints.lru],
         "event_blocks": trie._events.replayed_blocks(),
+        "event_block_hashes": hashes,
         "event_checkpoint_slots": trie._events.replayed_checkpoint_slots(),
         "stats": dict(trie.stats.counters()),
         "host_capacity": host_pool.capacity,

@@ -374,8 +374,16 @@ def accounting(snap: Snapshot) -> Problems:
 def events(snap: Snapshot) -> Problems:
     """10. Replaying the emitted events yields exactly the cached block set (blocks
     still loading from the host tier excluded), and, for checkpoint events, exactly
-    the slots of the matchable checkpoints."""
+    the slots of the matchable checkpoints; no two cached blocks publish one block
+    hash ([R70]), or removing one would tell a router both are gone."""
     problems: Problems = []
+    hashes = snap.get("event_block_hashes")
+    if hashes is not None:
+        named: dict[int, int] = {}
+        for nid, h in hashes.items():
+            other = named.setdefault(h, nid)
+            if other != nid:
+                problems.append(f"nodes {other} and {nid} publish the same block hash {h:#x}")
     replayed = snap["event_blocks"]
     if replayed is not None:
         loading = Residency.LOADING.value  # announced once its load has finished ([R50])

@@ -1657,6 +1657,7 @@ class ReferenceCache:
             evictable_index=[n.serial for n in self._evictable_index()],
             checkpoint_index=[c.serial for c in self._checkpoint_index()],
             event_blocks=None,
+            event_block_hashes=None,
             event_checkpoint_slots=None,
             stats=stats,
             host_capacity=self._num_host,

@@ -94,6 +94,8 @@ class Snapshot(TypedDict):
     evictable_index: list[int]  # node ids, in eviction order
     checkpoint_index: list[int]  # checkpoint ids, in eviction order
     event_blocks: set[int] | None  # blocks cached according to the emitted events
+    # node id -> the block hash its events publish (the 64 wire bits; None: events off)
+    event_block_hashes: dict[int, int] | None
     # checkpoint slots published according to the emitted checkpoint events (None: not emitted)
     event_checkpoint_slots: set[int] | None
     stats: dict[str, Any]
@@ -117,6 +119,21 @@ def node_path(snap: Snapshot, node_id: int) -> tuple[str, tuple[Any, ...]]:
         node = snap["nodes"][node["parent"]]
     keys.reverse()
     return node["namespace"], tuple(keys)
+
+
+def sequence_view(s: SequenceView, named: dict[int, Any]) -> tuple[Any, ...]:
+    """An id-free view of one sequence, its nodes named by `named` (node id -> name)."""
+    return (
+        s["namespace"],
+        s["tokens"],
+        len(s["blocks"]),
+        s["num_cached_tokens"],
+        s["num_committed_tokens"],
+        tuple(named[p] for p in s["path"]),
+        s["holds_match_pin"],
+        tuple(named[p] for p in s["host_path"]),
+        s["num_host_tokens"],
+    )
 
 
 def observe(snap: Snapshot) -> dict[str, Any]:
@@ -154,20 +171,7 @@ def observe(snap: Snapshot) -> dict[str, Any]:
             for c in snap["checkpoint_index"]
         ],
         "sequences": sorted(
-            [
-                (
-                    s["namespace"],
-                    s["tokens"],
-                    len(s["blocks"]),
-                    s["num_cached_tokens"],
-                    s["num_committed_tokens"],
-                    tuple(named[p] for p in s["path"]),
-                    s["holds_match_pin"],
-                    tuple(named[p] for p in s["host_path"]),
-                    s["num_host_tokens"],
-                )
-                for s in snap["sequences"].values()
-            ],
+            [sequence_view(s, named) for s in snap["sequences"].values()],
             key=repr,  # extra identities may mix None and other types
         ),
         "copies": sorted(

@@ -23,6 +23,7 @@ from cache.block_hash import (
     extra_keys,
     root_hash,
     to_wire,
+    vllm_expressible,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +209,7 @@ def test_vllm_scheme_matches_the_published_algorithm(seed: int) -> None:
         (list(range(16)), None),
         (list(range(100, 116)), (("mm-hash-abc", 3),)),
         ([7] * 16, None),
-        ([2**20 + i for i in range(16)], ("salt", b"\x00\xff", -5)),
+        ([2**20 + i for i in range(16)], (b"\x00\xff", "salt", -5)),
     ]
     h = BlockHasher("vllm", seed)
     p = h.root("")
@@ -232,6 +233,50 @@ def test_vllm_scheme_namespace_is_the_lora_name() -> None:
     ref = _vllm_reference("7", [([1, 2], ("adapter-1",)), ([3, 4], ("adapter-1", "img", 0))])
     assert [to_wire(a), to_wire(b)] == ref
     assert extra_keys(None, "adapter-1") == ("adapter-1",)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "extra"),
+    [("", "a"), ("", ("a",)), ("", ("a", "img", 0)), ("", ()), ("a", "x"), ("a", ())],
+)
+def test_vllm_scheme_hashes_what_vllm_cannot_name_apart_in_its_own_layout(
+    namespace: str, extra: Any
+) -> None:
+    """[R70]: vLLM's extra keys of namespace "" with a str-first identity equal those of
+    namespace <that str> with the rest, and a scalar or empty identity gives the keys of
+    another one. Such blocks hash [parent, tokens, namespace, identity] (four elements:
+    no vLLM block's layout) and never equal the block vLLM would confuse them with."""
+    h = BlockHasher("vllm", 0)
+    assert not vllm_expressible(extra, namespace)
+    assert not vllm_expressible(("a",))  # the default namespace is ""
+    parent = h.root(namespace)
+    got = h.chain(parent, [1, 2], extra, namespace)
+    payload = (parent.to_bytes(32, "big"), (1, 2), namespace, extra)
+    digest = hashlib.sha256(cbor2.dumps(payload, canonical=True)).digest()
+    assert got == int.from_bytes(digest, "big")
+    keys = extra_keys(extra, namespace)  # what vLLM's layout would have hashed
+    vllm_form = _vllm_reference("0", [([1, 2], keys)])
+    assert to_wire(got) != vllm_form[0]
+
+
+def test_vllm_scheme_keeps_vllms_layout_for_what_vllm_names_apart() -> None:
+    h = BlockHasher("vllm", 0)
+    root = h.root()
+    cases: list[tuple[str, Any]] = [
+        ("", None),
+        ("a", None),
+        ("a", ("x",)),
+        ("a", ("a", "img", 0)),
+        ("", (("mm", 3),)),
+        ("", (b"embeds", "salt")),
+    ]
+    for namespace, extra in cases:
+        assert vllm_expressible(extra, namespace)
+        got = to_wire(h.chain(root, [1, 2], extra, namespace))
+        assert [got] == _vllm_reference("0", [([1, 2], extra_keys(extra, namespace))])
+    # and all the blocks of both tests are told apart
+    odd: list[tuple[str, Any]] = [("", "a"), ("", ("a",)), ("", ("a", "x")), ("", ())]
+    assert len({h.chain(root, [1, 2], e, ns) for ns, e in cases + odd}) == len(cases + odd)
 
 
 def test_cbor_encoder_matches_cbor2() -> None:

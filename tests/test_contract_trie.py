@@ -1499,3 +1499,55 @@ def test_nodes_are_numbered_one_up_in_the_order_commits_attach_them() -> None:
     serve(trie, [8, 8, 9])
     assert sorted(trie.snapshot()["nodes"]) == [-1, 1, 2, 3, 4, 5, 6, 7]
     trie.check()
+
+
+# ------------------------------------------- accepted "equivalents" that were observable
+
+
+@pytest.mark.parametrize("identity", [b"img", "img", 7])
+def test_an_identity_on_a_later_block_never_hits_a_plain_block_with_its_tokens(
+    identity: object,
+) -> None:
+    """Invariant 5 with the identity on block 1, under an only child: the walk must not
+    take its bytes-only fast path for a request that carries identities (a bytes
+    identity would make `bytes.startswith((tokens, identity))` a wrong hit; other
+    identities a TypeError). Kills trie.py `match__mutmut_54`."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    serve(trie, [1, 1, 2, 2, 3])  # two plain blocks: the root's child has an only child
+    seq = trie.match([1, 1, 2, 2, 3], extra=(None, identity))
+    assert seq.num_cached_tokens == B  # block 0 only: block 1's identity differs
+    trie.abort(seq)
+    assert hit(trie, [1, 1, 2, 2, 3]) == 2 * B
+    trie.check()
+
+
+def test_an_aligned_save_at_the_end_of_the_block_table_publishes() -> None:
+    """A block-aligned save whose step is the whole block table (no block past it) has no
+    frozen tail and reads no block past the table. Kills checkpointing.py `save__mutmut_173`
+    (an IndexError after the checkpoint was reserved)."""
+    trie, copies = ssm_trie(block_size=B)
+    seq = trie.match([1, 1, 2, 2, 3])
+    trie.allocate(seq, 4)
+    trie.commit(seq, 4)
+    assert len(seq.block_ids) == 2
+    copy = trie.save(seq, 4, state(1.0))
+    assert copy is not None and copies is not None
+    copies.complete(copy)
+    trie.poll()
+    trie.release(seq)
+    trie.check()
+    again = trie.match([1, 1, 2, 2, 3])
+    assert again.num_cached_tokens == 4 and again.restore is not None
+    trie.abort(again)
+
+
+def test_a_root_has_tick_zero_in_the_snapshot() -> None:
+    """[R11]: roots have tick 0, visible in the public `snapshot()`. Kills trie.py
+    `_root__mutmut_8` / `_23` (tick None / 1)."""
+    trie = BlockTrie(CacheConfig(block_size=B, num_blocks=8))
+    serve(trie, [1, 1, 2], namespace="a")
+    serve(trie, [1, 1, 2])
+    snap = trie.snapshot()
+    assert len(snap["roots"]) == 2
+    for root in snap["roots"].values():
+        assert snap["nodes"][root]["tick"] == 0

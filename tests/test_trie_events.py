@@ -23,6 +23,7 @@ from cache.events import (
     BlockStored,
     replay,
 )
+from spec.errors import InvariantViolation
 from tests.helpers import kv_trie, serve, ssm_trie, state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +94,46 @@ def test_vllm_block_hashes_carry_the_namespace_as_the_lora_name_in_every_block()
     second = hasher.chain(first, (5, 6, 7, 8), None, "tenant")
     assert stored.block_hashes == (first, second)
     assert first != hasher.chain(hasher.root("tenant"), (1, 2, 3, 4))  # no LoRA name
+
+
+@pytest.mark.parametrize("scheme", ["xxh3", "vllm"])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (("a", None), ("", ["a"])),  # LoRA "a", no identity / no LoRA, identity "a"
+        (("a", None), ("", [("a",)])),
+        (("a", [("x",)]), ("", [("a", "x")])),
+        (("", ["a"]), ("", [("a",)])),  # a scalar identity and its 1-tuple
+        (("", None), ("", [()])),  # no identity and the empty one
+    ],
+)
+def test_two_cached_blocks_never_publish_one_hash(
+    scheme: str, first: tuple[str, list[object] | None], second: tuple[str, list[object] | None]
+) -> None:
+    """[R70]: blocks that differ in namespace or identity publish different hashes,
+    so a `BlockRemoved` of one never tells a router the other is gone."""
+    trie = kv_trie(num_blocks=8, block_hash=scheme)
+    for namespace, extra in (first, second):
+        serve(trie, [1, 2, 3, 4, 5], namespace=namespace, extra=extra)
+    stored = [e.block_hashes for e in trie.drain_events() if isinstance(e, BlockStored)]
+    assert len(stored) == 2 and stored[0] != stored[1]
+    trie.check()
+    assert trie.evict(1) == 1
+    (removed,) = [e.block_hashes for e in trie.drain_events() if isinstance(e, BlockRemoved)]
+    assert removed in stored and trie.num_cached_blocks == 1
+
+
+def test_check_refuses_two_cached_blocks_with_one_published_hash() -> None:
+    """`check()` (invariant 10) sees two cached blocks sharing a published hash."""
+    trie = kv_trie(num_blocks=8)
+    serve(trie, [1, 2, 3, 4, 5])
+    serve(trie, [5, 6, 7, 8, 9])
+    trie.check()
+    t = trie._nodes
+    first, second = t.child_nodes(next(iter(trie._roots.values())))
+    t.block_hash[second] = t.block_hash[first]
+    with pytest.raises(InvariantViolation, match="publish the same block hash"):
+        trie.check()
 
 
 def test_block_hashes_are_the_same_in_two_processes() -> None:
