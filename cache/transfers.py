@@ -31,10 +31,11 @@ from cache.eviction import Evictor
 from cache.kv_pool import KVBlockPool
 from cache.state_pool import CheckpointSlotPool
 from cache.stats import CacheStats
-from spec.errors import CacheError
+from spec.errors import CacheError, InvalidType
 from spec.lifecycle import CopyKind, CopyState, CopyTrigger
 
 if TYPE_CHECKING:
+    from cache.completions import CompletionQueue
     from cache.host_tier import HostTier
     from cache.node import Checkpoint, Node
 
@@ -81,6 +82,30 @@ class Transfers:
         self.on_load_failed: Callable[[list[Node]], None] = _ignore
         """Called with the nodes of a failed load once it is reaped (the trie cuts
         the requests that read them)."""
+
+    def use_engine(
+        self, engine: CopyEngine, device: torch.device, completions: CompletionQueue
+    ) -> None:
+        """Queue later copies on `engine`, binding it to `device` (`CopyEngine.bind`)
+        and to the trie's `completions` (reports from other threads, [R61]).
+
+        Refused with `CacheError`, changing nothing, while a copy is in flight on
+        the current engine (only its copies are reaped by `poll`, so it would
+        never be), or when `engine` already serves another trie. The current
+        engine again does nothing.
+        """
+        if not isinstance(engine, CopyEngine):
+            raise InvalidType(f"copies must be a CopyEngine, got {type(engine).__name__}")
+        if engine is self.engine:
+            return
+        if self.inflight:
+            raise CacheError(
+                f"copies: {len(self.inflight)} copies in flight on the current engine; "
+                "complete and poll() them before swapping engines"
+            )
+        engine.bind(device)
+        engine._completions = completions
+        self.engine = engine
 
     def number(self, copy: Copy) -> Copy:
         """Give a copy built elsewhere (the host tier's) this trie's next serial."""

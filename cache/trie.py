@@ -2,40 +2,41 @@
 
 Read this module as the table of contents of the cache: each public method
 validates its input ([R1]-[R5]), plans, takes resources, then mutates
-([R6]); the resources and their rules live in their own modules:
+([R6]). `BlockTrie.__init__` lists the parts; each lives in its own module
+with its rules (docs/architecture.md, "Ownership map"):
 
-- `cache.kv_pool` / `cache.state_pool`: KV blocks and checkpoint slots, counts
-  and free lists;
+- `cache.storage`: the pools (`cache.kv_pool`, `cache.state_pool`: KV blocks
+  and checkpoint slots, counts and free lists) and the node table
+  (`cache.node`), as the configuration sizes them;
 - `cache.eviction.Evictor`: node lifecycle states, the eviction index, making
   room;
 - `cache.checkpoints.CheckpointStore`: checkpoint lifecycle, pins, receipts;
-- `cache.transfers.Transfers`: save / restore copies until they are reaped;
+- `cache.transfers.Transfers`: copies until they are reaped, the copy engine;
 - `cache.checkpointing.Checkpointing`: what `save` and `restore` decide and
   queue ([R25]-[R34]);
 - `cache.host_tier.HostTier`: the host-memory tier, its eviction, and where
   each block's KV lives; `cache.offload.Offload`: the store and load copies
   between it and the device that operations queue ([R47]-[R54]);
 - `cache.keys`: block keys and identities; `cache.event_log`: events;
+- `cache.counts.TrieCounts` (a base class): the counts, pool tensors, clock;
 - `cache.inspection`: `snapshot()` and `check()`.
 
 The numbers in brackets cite the rules of the operational semantics
 (docs/semantics.md), which the reference model `spec.model` cites too.
 
-Single-threaded ([R45]): one engine scheduler owns a trie. A second thread
-that enters an operation (`snapshot()` and `check()` included) while another
-is running gets `ConcurrentUse` before it changes anything (a lock taken
-without waiting: detection, not support; no call ever blocks on it). Copy
-completion and failure may be reported from any thread: `cache.completions`
-records them for the owning thread, which applies them in `poll()` ([R61]).
+Single-threaded ([R45]): every operation (`snapshot()` and `check()`
+included) holds the trie's gate while it runs; a second thread gets
+`ConcurrentUse` before it changes anything (`cache.gate`). Copy completion
+and failure may be reported from any thread: `cache.completions` records them
+for the owning thread, which applies them in `poll()` ([R61]).
 
-This module is longer than the ~400 lines the others keep to (about 1140
-lines: 780 of code, 270 of docstrings, 120 blank or comments): it holds
-twenty-four public operations and sixteen properties (counts, pools, the copy
-engine, the clock). Each operation takes the lock and checks its sequence; `match`,
-`allocate`, `commit`, `release` and `evict`, the hot path, plan here over the
-modules above (no call per block spent on reaching a plan elsewhere); `load`,
-`save`, `restore` and `drop_checkpoint` hand their plans to the module that
-owns them.
+This module is longer than the ~400 lines the others keep to (about 800
+lines: 540 of code, 190 of docstrings, 90 blank or comments): it holds twenty
+public operations and the copy engine's property. Each operation takes the
+gate and checks its sequence; `match`, `allocate`, `commit`, `release` and
+`evict`, the hot path, plan here over the parts (no call per block spent on
+reaching a plan elsewhere); `load`, `save` and `restore` hand their plans to
+the module that owns them.
 """
 
 from __future__ import annotations
@@ -53,26 +54,26 @@ from cache.checkpoints import CheckpointStore
 from cache.completions import CompletionQueue
 from cache.config import CacheConfig
 from cache.copies import Copy, CopyEngine, DeviceCopies
+from cache.counts import TrieCounts
 from cache.event_log import EventLog, EventRecords
 from cache.events import Event
 from cache.eviction import Evictor
 from cache.faults import Faults
+from cache.gate import Exclusive, concurrent_use
 from cache.host_tier import HostTier
 from cache.keys import request_keys, salted
-from cache.kv_pool import KVBlockPool
 from cache.node import (
     MANY,
     NO_BLOCK,
     NO_NODE,
     Checkpoint,
     Node,
-    NodeTable,
     state_code,
 )
 from cache.offload import Offload, refuse_unloaded
 from cache.sequence import PinReceipt, RestorePoint, Sequence, check_redeemable
-from cache.state_pool import CheckpointSlotPool, storage_spans
 from cache.stats import CacheStats
+from cache.storage import allocate_storage
 from cache.transfers import Transfers
 from cache.validation import (
     TokenIds,
@@ -86,8 +87,6 @@ from cache.validation import (
 from spec.errors import (
     CacheError,
     CheckpointError,
-    ConcurrentUse,
-    ConfigError,
     InvalidArgument,
     InvalidType,
     SequenceNotLive,
@@ -98,11 +97,9 @@ from spec.snapshot import Snapshot
 _EVICTABLE = state_code(NodeState.EVICTABLE.value)  # as `NodeTable.state` stores it
 _CACHED = NodeState.CACHED.value
 _ROOT = NodeState.ROOT.value
-_ROWS_UP_FRONT = 1 << 23
-"""A node table this big or smaller is made whole with the trie (see `__init__`)."""
 
 
-class BlockTrie:
+class BlockTrie(TrieCounts):
     """A prefix cache of KV blocks and SSM checkpoints (the contract page, "Public API").
 
     Every operation taking a sequence raises `InvalidType` when it is not a
@@ -135,91 +132,28 @@ class BlockTrie:
         """Allocation-point fault injection, for tests of transactional behaviour."""
         self.stats = CacheStats(config.stats_window, lambda: self._seq_serial)
         """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
-        state_dtypes = {name: config.state_dtype_of(name) for name in config.state_shapes}
-        try:
-            self._kv = KVBlockPool(
-                config.num_blocks, config.kv_block_shape, config.kv_dtype, self.device, self.faults
-            )
-            self._slots = CheckpointSlotPool(
-                config.num_checkpoint_slots,
-                config.state_shapes,
-                state_dtypes,
-                self.device,
-                self.faults,
-            )
-            host_pool = KVBlockPool(
-                config.num_host_blocks,
-                config.kv_block_shape,
-                config.kv_dtype,
-                torch.device("cpu"),
-                self.faults,
-                name="host tier",
-                pin_memory=config.host_tier and self.device.type == "cuda",
-            )
-            host_slots = CheckpointSlotPool(
-                config.num_host_checkpoint_slots,
-                config.state_shapes,
-                state_dtypes,
-                torch.device("cpu"),
-                self.faults,
-                name="host checkpoint pool",
-                pin_memory=config.host_checkpoints and self.device.type == "cuda",
-            )
-        except (MemoryError, RuntimeError) as exc:
-            raise ConfigError(
-                f"cannot allocate the pools of {config.num_blocks} KV blocks "
-                f"({config.kv_bytes_per_block()} B each), {config.num_host_blocks} host blocks "
-                f"and {config.num_checkpoint_slots} + {config.num_host_checkpoint_slots} "
-                "(host) checkpoint slots "
-                f"({config.state_bytes_per_slot()} B each) on {self.device}: {exc}"
-            ) from None
-        self._slots.pool_spans = storage_spans(  # what no runtime state may overlap ([R63])
-            [
-                ("KV pool", self._kv.tensor),
-                *((f"checkpoint pool {n!r}", t) for n, t in self._slots.tensors.items()),
-                ("host tier", host_pool.tensor),
-                *((f"host checkpoint pool {n!r}", t) for n, t in host_slots.tensors.items()),
-            ]
-        )
+        storage = allocate_storage(config, self.device, self.faults)
+        self._kv, self._slots, self._nodes = storage.kv, storage.slots, storage.nodes
+        self._host_pool, self._host_slots = storage.host_kv, storage.host_slots
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
-        # Every node needs a device or a host block, but roots: room for all of
-        # them and a few namespaces (the table grows past that). Made up front (as
-        # the pools are) up to 2^23 rows, about 0.9 GB; past that, as needed, so a
-        # planner's oversized pool costs what it holds.
-        rows = config.num_blocks + config.num_host_blocks + 8
-        self._nodes = NodeTable(
-            config.block_size,
-            rows,
-            initial=rows if rows <= _ROWS_UP_FRONT else _ROWS_UP_FRONT // 8,
-            hashes=(
-                "none"
-                if not config.enable_events
-                else "u64"
-                if config.block_hash == "xxh3"
-                else "wide"
-            ),
-            host_tier=config.host_tier,
-        )
         self._events = EventLog(config.enable_events, config.block_hash, config.hash_seed)
         self._events.nodes = self._nodes
         self._checkpoints = CheckpointStore(
             self._nodes, self._slots, self._kv, self.stats, self._events, config.block_size, self
         )
-        self._host_slots = host_slots
         if config.host_checkpoints:
-            self._checkpoints.host_slots = host_slots
-        self._host: HostTier | None = None
+            self._checkpoints.host_slots = self._host_slots
+        self._host = None
         if config.host_tier:
             self._host = HostTier(
                 self._nodes,
-                host_pool,
+                self._host_pool,
                 self._kv,
                 self.stats,
                 self._events,
                 duplicates_first=config.host_write == "back",  # [R92]
             )
-        self._host_pool = host_pool
         self._evictor = Evictor(
             self._nodes, self._kv, self._checkpoints, self.stats, self._events, self._host
         )
@@ -255,37 +189,8 @@ class BlockTrie:
         self._completions = CompletionQueue(self._gate)  # reports from other threads ([R61])
         engine._completions = self._completions
 
-    # ------------------------------------------------------------------ counts
-
-    @property
-    def num_free_blocks(self) -> int:
-        """KV blocks in the free list ([R44])."""
-        return self._kv.num_free
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """KV blocks owned by attached trie nodes ([R44])."""
-        return self._evictor.num_cached
-
-    @property
-    def num_free_checkpoint_slots(self) -> int:
-        """Checkpoint slots in the free list."""
-        return self._slots.num_free
-
-    @property
-    def num_free_host_checkpoint_slots(self) -> int:
-        """Host checkpoint slots in the free list (0 without a checkpoint host tier)."""
-        return self._host_slots.num_free
-
-    @property
-    def num_host_checkpoints(self) -> int:
-        """Checkpoints holding a host slot: storing, mirrored or host-only ([R53])."""
-        return self._host_slots.capacity - self._host_slots.num_free
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Nodes in the eviction index (evictable leaves right now)."""
-        return len(self._evictor.index)
+    # ------------------------------------------------------------ properties
+    # (the counts, the pools' tensors and the clock: `TrieCounts`)
 
     @property
     def num_reclaimable_blocks(self) -> int:
@@ -299,58 +204,8 @@ class BlockTrie:
         checkpoints), not a running count; for one admission decision,
         `can_allocate` is cheaper (it stops counting once the need is covered).
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("num_reclaimable_blocks")
-        try:
+        with Exclusive(self._gate, "num_reclaimable_blocks"):
             return self._kv.num_free + self._evictor.reclaimable()
-        finally:
-            self._gate.release()
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        """Host-tier blocks in its free list (0 without a host tier)."""
-        return self._host_pool.num_free
-
-    @property
-    def num_host_cached_blocks(self) -> int:
-        """Host-tier blocks owned by attached nodes (0 without a host tier)."""
-        return 0 if self._host is None else self._host.num_cached
-
-    @property
-    def num_evictable_host_blocks(self) -> int:
-        """Nodes in the host eviction index (host-only leaves no request reads)."""
-        return 0 if self._host is None else len(self._host.index)
-
-    @property
-    def host_cache(self) -> torch.Tensor | None:
-        """The host-tier pool tensor `[num_host_blocks, *kv_block_shape]` (None for
-        ids only or without a host tier)."""
-        return self._host_pool.tensor
-
-    @property
-    def kv_cache(self) -> torch.Tensor | None:
-        """The KV pool tensor `[num_blocks, *kv_block_shape]` (None for ids only).
-
-        Axis 0 is the block: `kv_cache[b]` is block id `b` of a `Sequence.block_ids`.
-        The layout inside a block (layers, K/V, the offset of a token within its
-        block) is the engine's choice: the trie only copies whole blocks (frozen
-        tails, host-tier stores and loads). A token at position `p` of a request
-        lives in block `block_ids[p // block_size]`, offset `p % block_size` on
-        whichever axis the engine keeps tokens (`cache.testing`'s model: shape
-        `(layers, 2, block_size, heads, head_dim)`, K at index 0 of axis 1, V at 1).
-        """
-        return self._kv.tensor
-
-    @property
-    def checkpoint_states(self) -> dict[str, torch.Tensor]:
-        """Per state name, the checkpoint pool tensor `[num_checkpoint_slots, *shape]`."""
-        return dict(self._slots.tensors)
-
-    @property
-    def host_checkpoint_states(self) -> dict[str, torch.Tensor]:
-        """Per state name, the host checkpoint pool tensor
-        `[num_host_checkpoint_slots, *shape]` (empty without one)."""
-        return dict(self._host_slots.tensors)
 
     @property
     def copies(self) -> CopyEngine:
@@ -366,44 +221,12 @@ class BlockTrie:
         `poll`, so it would never be), or when `engine` already serves another
         trie. Setting the current engine again does nothing.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("copies")
-        try:
-            if not isinstance(engine, CopyEngine):
-                raise InvalidType(f"copies must be a CopyEngine, got {type(engine).__name__}")
-            if engine is self._transfers.engine:
-                return
-            inflight = self._transfers.inflight
-            if inflight:
-                raise CacheError(
-                    f"copies: {len(inflight)} copies in flight on the current engine; "
-                    "complete and poll() them before swapping engines"
-                )
-            engine.bind(self.device)
-            engine._completions = self._completions
-            self._transfers.engine = engine
-        finally:
-            self._gate.release()
-
-    @property
-    def clock(self) -> int:
-        """The logical clock ([R7]: ticks on commit, release, and copy-queuing save/restore)."""
-        return self._clock
+        with Exclusive(self._gate, "copies"):
+            self._transfers.use_engine(engine, self.device, self._completions)
 
     # ---------------------------------------------------------------- helpers
 
-    def _concurrent_use(self, operation: str) -> ConcurrentUse:
-        """The error for a second thread entering `operation` while another runs ([R45]).
-
-        Every public operation takes `_gate` without blocking (an atomic test
-        and set, inline: a wrapper function would cost more than the lock) and
-        releases it when done; the second caller is refused before it changes
-        anything.
-        """
-        return ConcurrentUse(
-            f"{operation}: this cache is already running an operation in another thread; "
-            "a BlockTrie is single-threaded (one scheduler owns it)"
-        )
+    _concurrent_use = staticmethod(concurrent_use)  # the gate's error ([R45], `cache.gate`)
 
     def _check_live(self, seq: object) -> Sequence:
         """`seq` itself, if this trie's registry holds it as live ([R3])."""
@@ -490,7 +313,8 @@ class BlockTrie:
         `cache_salt` (vLLM's): folded into block 0's extra identity as vLLM folds
         it into that block's extra keys ([R91]), so that salted requests share
         cache only with requests of the same salt, and under `block_hash="vllm"`
-        publish vLLM's hashes; None or "" is no salt. `seq.extra` shows the fold.
+        publish vLLM's hashes where vLLM's layout names the block apart ([R70]);
+        None or "" is no salt. `seq.extra` shows the fold.
 
         Returns a live `Sequence` whose `num_cached_tokens` is the hit ([R13]):
         attention-only, the longest cached full-block prefix; SSM, the step of
@@ -848,9 +672,7 @@ class BlockTrie:
         `match` then `abort` leaves every count, pin, index and statistic as it
         was (invariant 8). Raises `SequenceNotLive` for a dead sequence.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("abort()")
-        try:
+        with Exclusive(self._gate, "abort()"):
             self._check_live(seq)
             stats = self.stats
             if stats.forget_match(seq.serial):  # [R90]: unless reset since
@@ -861,8 +683,6 @@ class BlockTrie:
                 if seq.restore is not None:
                     stats.checkpoint_hits -= 1
             self._drop(seq)
-        finally:
-            self._gate.release()
 
     def _drop(self, seq: Sequence) -> None:
         if seq.match_receipt is not None:
@@ -905,30 +725,22 @@ class BlockTrie:
         ([R51]). Returns how many (0 without a host tier); device blocks and
         blocks a copy or a request holds are never touched. Raises
         `InvalidArgument` for a negative count."""
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("evict_host()")
-        try:
+        with Exclusive(self._gate, "evict_host()"):
             count = int_arg("n", n)
             if count < 0:
                 raise InvalidArgument(f"evict_host: n must be >= 0, got {count}")
             return 0 if self._host is None else self._host.evict(count)
-        finally:
-            self._gate.release()
 
     def evict_checkpoints(self, n: int) -> int:
         """Free the device slots of up to `n` LRU unpinned checkpoints (and their frozen
         tails); nodes stay ([R24]). A checkpoint already stored in a host slot stays
         there, host-only ([R54]); any other is released. Returns how many device
         slots were freed; pinned ones are never touched (invariant 2)."""
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("evict_checkpoints()")
-        try:
+        with Exclusive(self._gate, "evict_checkpoints()"):
             count = int_arg("n", n)
             if count < 0:
                 raise InvalidArgument(f"evict_checkpoints: n must be >= 0, got {count}")
             return self._checkpoints.evict_lru(count)
-        finally:
-            self._gate.release()
 
     def drop_checkpoint(self, seq: Sequence, step: int) -> bool:
         """Release the checkpoint after exactly `step` tokens of `seq`'s prefix ([R86]).
@@ -943,13 +755,9 @@ class BlockTrie:
         pin hold it), `CheckpointError` when SSM is off, `InvalidArgument` for
         a step outside the sequence; a failure changes nothing.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("drop_checkpoint()")
-        try:
+        with Exclusive(self._gate, "drop_checkpoint()"):
             self._check_live(seq)
             return self._checkpointing.drop(seq, step)
-        finally:
-            self._gate.release()
 
     def clear(self) -> None:
         """Drop every cached block and checkpoint ([R22]).
@@ -957,9 +765,7 @@ class BlockTrie:
         Needs no live sequence, copy in flight or explicit pin (`CacheError`
         otherwise, nothing changed). Emits one `AllBlocksCleared`.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("clear()")
-        try:
+        with Exclusive(self._gate, "clear()"):
             inflight = self._transfers.inflight
             block_pins = self._block_pins.receipts
             if self._live or inflight or self._explicit or block_pins:
@@ -982,8 +788,6 @@ class BlockTrie:
                         self._checkpoints.drop(anchored[root], CheckpointTrigger.EVICT)
                         self.stats.evicted_checkpoints += 1
             self._events.cleared()
-        finally:
-            self._gate.release()
 
     # ----------------------------------------------------------- checkpoints
 
@@ -1033,13 +837,9 @@ class BlockTrie:
         failures other threads reported since ([R61]); the calling thread
         becomes the trie's owning thread.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("poll()")
-        try:
+        with Exclusive(self._gate, "poll()"):
             self._completions.claim_and_apply()
             return self._transfers.poll()
-        finally:
-            self._gate.release()
 
     def pin(self, seq: Sequence) -> PinReceipt:
         """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin` ([R39]).
@@ -1047,28 +847,20 @@ class BlockTrie:
         Raises `CheckpointError` when the match found no checkpoint,
         `IllegalTransition` when that checkpoint has since been released ([R41]).
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("pin()")
-        try:
+        with Exclusive(self._gate, "pin()"):
             self._check_live(seq)
             if seq.restore is None:
                 raise CheckpointError(f"pin: {seq!r} matched no checkpoint")
             receipt = self._checkpoints.pin(seq.restore.checkpoint)
             self._explicit[id(receipt)] = receipt
             return receipt
-        finally:
-            self._gate.release()
 
     def unpin(self, receipt: PinReceipt) -> None:
         """Redeem a receipt from `pin` ([R40]); a second use raises `PinError`."""
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("unpin()")
-        try:
+        with Exclusive(self._gate, "unpin()"):
             check_redeemable(receipt, PinReceipt, self, self._explicit, self.pin)
             del self._explicit[id(receipt)]
             self._checkpoints.unpin(receipt)
-        finally:
-            self._gate.release()
 
     def pin_blocks(self, block_hashes: list[int], namespace: str = "") -> BlockPinReceipt:
         """Pin the cached blocks of `namespace` that events published with these hashes
@@ -1083,25 +875,17 @@ class BlockTrie:
         `CacheConfig(enable_events=True)` (`ConfigError`). Raises `InvalidType` /
         `InvalidArgument` for malformed hashes or namespace.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("pin_blocks()")
-        try:
+        with Exclusive(self._gate, "pin_blocks()"):
             hashes = block_hashes_arg(block_hashes)
             namespace = namespace_arg(namespace)  # [R60]
             return self._block_pins.pin(self, hashes, namespace)
-        finally:
-            self._gate.release()
 
     def unpin_blocks(self, receipt: BlockPinReceipt) -> None:
         """Redeem a receipt from `pin_blocks` ([R85]); a second use raises `PinError`."""
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("unpin_blocks()")
-        try:
+        with Exclusive(self._gate, "unpin_blocks()"):
             receipts = self._block_pins.receipts
             check_redeemable(receipt, BlockPinReceipt, self, receipts, self.pin_blocks)
             self._block_pins.unpin(receipt)
-        finally:
-            self._gate.release()
 
     # ---------------------------------------------------------------- events
 
@@ -1114,9 +898,7 @@ class BlockTrie:
         `InvalidArgument` for a namespace that is not a str or an id that is not
         an int > 0.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("bind_lora()")
-        try:
+        with Exclusive(self._gate, "bind_lora()"):
             namespace = namespace_arg(namespace)  # [R60]
             if lora_id is None:
                 self._events.lora_ids.pop(namespace, None)
@@ -1127,17 +909,11 @@ class BlockTrie:
                     f"bind_lora: lora_id must be in 1..2**63-1 (vLLM's ids are > 0), got {lora_id}"
                 )
             self._events.lora_ids[namespace] = lora_id
-        finally:
-            self._gate.release()
 
     def drain_events(self) -> list[Event]:
         """Return and forget the events emitted since the last drain (invariant 10)."""
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("drain_events()")
-        try:
+        with Exclusive(self._gate, "drain_events()"):
             return self._events.drain()
-        finally:
-            self._gate.release()
 
     def drain_event_records(self) -> EventRecords:
         """`drain_events` without building the events: an `EventRecords` whose
@@ -1150,12 +926,8 @@ class BlockTrie:
         drain changes what `check()` compares (invariant 10): the block set every
         recorded event replays to, drained or not, against the cached blocks.
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("drain_event_records()")
-        try:
+        with Exclusive(self._gate, "drain_event_records()"):
             return self._events.drain_records()
-        finally:
-            self._gate.release()
 
     # ------------------------------------------------------------ inspection
 
@@ -1165,23 +937,15 @@ class BlockTrie:
         Like every operation it holds the trie while it reads: from a monitor
         thread it is either consistent or refused with `ConcurrentUse` ([R61]).
         """
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("snapshot()")
-        try:
+        with Exclusive(self._gate, "snapshot()"):
             return inspection.snapshot(self)
-        finally:
-            self._gate.release()
 
     def check(self) -> None:
         """Verify invariants 1-7, 9 and 10 (`spec.invariants.INVARIANTS`) on the live
         structure; raises `InvariantViolation` naming the first one broken, and
         `ConcurrentUse` while another thread's operation runs ([R61])."""
-        if not self._gate.acquire(False):
-            raise self._concurrent_use("check()")
-        try:
+        with Exclusive(self._gate, "check()"):
             inspection.check(self)
-        finally:
-            self._gate.release()
 
     def __repr__(self) -> str:
         return (

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import cache.trie
+import cache.storage
 from cache import (
     BlockTrie,
     CacheConfig,
@@ -1398,7 +1398,7 @@ def test_the_node_table_is_made_up_front_up_to_a_bound_and_grows_past_it(
     """Room for every block a trie holds (device and host) and 8 roots: made up front
     while that is at most `_ROWS_UP_FRONT` rows (bound shrunk to 64 here), else an
     eighth of the bound up front and the rest as the table fills."""
-    monkeypatch.setattr(cache.trie, "_ROWS_UP_FRONT", 64)
+    monkeypatch.setattr(cache.storage, "_ROWS_UP_FRONT", 64)
     at_bound = BlockTrie(CacheConfig(block_size=B, num_blocks=56))
     assert (at_bound._nodes.capacity, at_bound._nodes.limit) == (64, 64)
     with_host = BlockTrie(CacheConfig(block_size=B, num_blocks=20, num_host_blocks=10))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cache import BlockStored, BlockTrie, CacheConfig, InvalidArgument, InvalidType
+from cache.block_hash import vllm_expressible
 
 cbor2 = pytest.importorskip("cbor2")
 pytest.importorskip("xxhash")
@@ -74,10 +75,23 @@ TOKENS = list(range(10, 23))  # three full blocks and one token
     "extra", [None, [(("mm-1", 0),)], [(("mm-1", 0),), None, (("mm-2", 2),)], ["img"]]
 )
 def test_a_salted_requests_hashes_are_vllms(namespace: str, extra: Any) -> None:
+    """vLLM's hashes wherever vLLM's own layout names the block apart ([R70]). In the
+    default namespace, a block 0 whose extra keys start with a str (the salt alone,
+    or a str multimodal key) has vLLM's keys of a block of the LoRA named by that
+    str: it is published in blocktrie's layout instead, so no two cached blocks
+    ever share a hash (blocks 1 and later, chained from it, differ too)."""
     trie = _trie()
     _serve(trie, TOKENS, namespace=namespace, extra=extra, cache_salt="tenant-7")
     mm = [() if e is None else e if isinstance(e, tuple) else (e,) for e in (extra or [])]
-    assert _stored_hashes(trie) == _vllm_hashes("5", TOKENS, namespace, mm, "tenant-7")
+    vllm = _vllm_hashes("5", TOKENS, namespace, mm, "tenant-7")
+    block0 = (*(mm[0] if mm else ()), "tenant-7")
+    if vllm_expressible(block0, namespace):
+        assert _stored_hashes(trie) == vllm
+    else:
+        lora = _trie()
+        _serve(lora, TOKENS, namespace=block0[0], extra=[block0[1:] or None])
+        assert _stored_hashes(trie)[0] != vllm[0]
+        assert _stored_hashes(lora)[0] == vllm[0]  # the LoRA's block keeps vLLM's hash
 
 
 def test_the_salt_equals_folding_it_into_block_0_by_hand() -> None:
