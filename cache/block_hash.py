@@ -51,7 +51,7 @@ used exactly for the blocks vLLM itself can name apart (`vllm_expressible`:
 no identity, or a non-empty tuple that does not start with a str when the
 namespace is ``""``); every other block hashes ``sha256(cbor([parent_digest,
 [tokens...], namespace, extra]))``, a four-element array no vLLM block hashes
-([R70]).
+([R61]).
 
 The extras' modules (`xxhash`) are imported only when a hasher is built.
 """
@@ -253,7 +253,7 @@ def extra_keys(extra: Hashable, namespace: str = "") -> tuple[object, ...] | Non
 
 def vllm_expressible(extra: Hashable, namespace: str = "") -> bool:
     """Whether scheme ``"vllm"`` hashes a block with identity `extra` in
-    `namespace` exactly as vLLM does ([R70]).
+    `namespace` exactly as vLLM does ([R61]).
 
     True when `extra` is None or a non-empty tuple, unless the namespace is
     ``""`` and the tuple's first item is a str: vLLM's ``extra_keys`` of that
@@ -354,7 +354,7 @@ class BlockHasher:
                 digest, tokens = parent.to_bytes(32, "big"), unpack_tokens(packed)
                 if vllm_expressible(extra, namespace):
                     payload = cbor_canonical((digest, tokens, extra_keys(extra, namespace)))
-                else:  # [R70]: a four-element array, which no vLLM block hashes
+                else:  # [R61]: a four-element array, which no vLLM block hashes
                     payload = cbor_canonical((digest, tokens, namespace, extra))
                 return int.from_bytes(hashlib.sha256(payload).digest(), "big")
 

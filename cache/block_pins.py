@@ -1,4 +1,4 @@
-"""KV pins without a request ([R84], [R85]): cached blocks pinned by the hash that
+"""KV pins without a request ([R66], [R67]): cached blocks pinned by the hash that
 events published for them.
 
 A router, or the prefill side of a disaggregated deployment, names blocks by
@@ -154,7 +154,7 @@ class BlockPins:
 
     def pin(self, owner: object, block_hashes: list[int], namespace: str) -> BlockPinReceipt:
         """Pin the device block of each attached node of `namespace` whose published hash
-        is in `block_hashes` (each once; others skipped) ([R84])."""
+        is in `block_hashes` (each once; others skipped) ([R66])."""
         if not self.enabled:
             raise ConfigError(
                 "pin_blocks: blocks are named by the hashes events publish; build the cache "
@@ -187,7 +187,7 @@ class BlockPins:
         return receipt
 
     def unpin(self, receipt: BlockPinReceipt) -> None:
-        """Redeem `receipt`, an outstanding one ([R85]): drop its references."""
+        """Redeem `receipt`, an outstanding one ([R67]): drop its references."""
         receipt.state = RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, receipt)
         del self.receipts[id(receipt)]
         self._kv.decref_all(receipt.blocks)

@@ -1,4 +1,4 @@
-"""Bounded matches ([R82], [R83]): the arguments that cap where a hit may end.
+"""Bounded matches ([R64], [R65]): the arguments that cap where a hit may end.
 
 `match(..., max_hit_tokens=None, atomic_spans=())` lets a scheduler bound the
 hit: vLLM asks for no hit at all for a prompt-logprobs request
@@ -72,7 +72,7 @@ def span_start(spans: Spans, end: int) -> int:
 
 def bounded_depth(depth: int, block_size: int, cap: int | None, spans: Spans) -> int:
     """The deepest block count `<= depth` whose hit (`blocks * block_size` tokens) is
-    at most `cap` (None: no cap) and ends inside no span ([R82], [R83])."""
+    at most `cap` (None: no cap) and ends inside no span ([R64], [R65])."""
     if cap is not None and cap // block_size < depth:
         depth = cap // block_size
     while depth > 0:

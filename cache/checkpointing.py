@@ -1,5 +1,5 @@
 """`Checkpointing`: what `save` and `restore` decide and queue ([R25]-[R34]), and which
-checkpoint `drop_checkpoint` releases ([R86]).
+checkpoint `drop_checkpoint` releases ([R68]).
 
 `BlockTrie.save` and `BlockTrie.restore` take their operation lock and check
 the sequence is live, then call these. `save` validates its step and decides
@@ -167,7 +167,7 @@ class Checkpointing:
         return copy
 
     def drop(self, seq: Sequence, step: int) -> bool:
-        """`BlockTrie.drop_checkpoint` past its checks (`seq` is live) ([R86]): validates
+        """`BlockTrie.drop_checkpoint` past its checks (`seq` is live) ([R68]): validates
         `step` as `save` does, finds the anchor on `seq`'s path and has the store
         release the checkpoint of `seq`'s prefix there, if any."""
         step = int_arg("step", step)

@@ -119,7 +119,7 @@ class CheckpointStore:
     ) -> Checkpoint | None:
         """The deepest matchable checkpoint on `path[:max_depth]` (or the root)
         whose prefix equals `tokens`' and that leaves a token to compute ([R13]),
-        at most `cap` tokens ([R82]) and ending inside none of `spans` ([R83]).
+        at most `cap` tokens ([R64]) and ending inside none of `spans` ([R65]).
         `anchored` is the table's node -> checkpoint map."""
         last = len(tokens) - 1
         if cap is not None and cap < last:
@@ -360,7 +360,7 @@ class CheckpointStore:
         self, anchor: Node, step: int, tail: tuple[int, ...], tail_extra: Hashable
     ) -> bool:
         """Release the checkpoint on `anchor` after exactly `step` tokens, if it has this
-        tail and tail identity, because the engine asked for it ([R86]): its slots on
+        tail and tail identity, because the engine asked for it ([R68]): its slots on
         both tiers and its frozen tail go back, as an eviction's would
         (`evicted_checkpoints`, the same events). Raises `PinError` when it is pinned
         (changing nothing); False when there is no such checkpoint, or it is not

@@ -1,4 +1,4 @@
-"""Copy completion and failure reported from other threads ([R61]).
+"""Copy completion and failure reported from other threads ([R58]).
 
 A trie belongs to one scheduler thread ([R45]), but engines learn that a copy
 finished or failed on threads of their own: a CUDA host callback, an RDMA or

@@ -119,7 +119,7 @@ class CacheConfig:
       then keeps it, host-only, for a later restore straight from the host
       ([R53]-[R56], docs/host-tier.md).
     - `stats_window`: how many requests (matches) `stats.recent_hit_rate` looks
-      back over (an int > 0, default 1000 as vLLM's `CachingMetrics`; [R90]).
+      back over (an int > 0, default 1000 as vLLM's `CachingMetrics`; [R69]).
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
 

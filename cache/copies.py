@@ -23,7 +23,7 @@ when queued). Two kinds of move:
   safe: the caching allocators reuse them only in stream order. When queuing
   raises after the moves may have been queued (an interrupt before the event
   is recorded), the engine waits the side stream out before the error reaches
-  the trie's undo, which frees the copy's blocks and slots ([R62]).
+  the trie's undo, which frees the copy's blocks and slots ([R59]).
 - `ManualCopies`: for tests. A queued copy moves its data only when the test
   completes it, as a late GPU copy would. Completing a copy first completes
   every earlier pending copy that touches one of its blocks or slots (a stream
@@ -165,7 +165,7 @@ class Copy:
         """Whether the copy is no longer queued (its data moved, or it failed).
 
         On CUDA, looking is what notices that its event fired; only the trie's
-        owning thread then moves the copy to `finished` ([R61]): from another
+        owning thread then moves the copy to `finished` ([R58]): from another
         thread this says True and changes nothing.
         """
         if self.state == _QUEUED and self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
@@ -195,7 +195,7 @@ class Copy:
 
         Raises `CopyFailed` when the copy failed: its data never arrived. On the
         trie's owning thread it first applies the completions and failures
-        other threads reported ([R61]), so a failure reported before the wait
+        other threads reported ([R58]), so a failure reported before the wait
         is seen by it.
         """
         engine = self._engine
@@ -240,7 +240,7 @@ class CopyEngine:
         self._inflight: list[Copy] = []
         self._bound = False
         self._completions: CompletionQueue | None = None
-        """The door reports from other threads come through ([R61]); the trie this
+        """The door reports from other threads come through ([R58]); the trie this
         engine serves sets it (None: no trie, reports apply at once)."""
 
     def bind(self, device: torch.device) -> None:
@@ -292,7 +292,7 @@ class CopyEngine:
         does nothing; raises `InvalidType` for a non-copy and `InvalidArgument`
         for a copy of another engine or one that already finished.
 
-        May be called from any thread ([R61]): from a thread other than the
+        May be called from any thread ([R58]): from a thread other than the
         trie's owner (or while an operation runs) it is recorded and applied by
         the owning thread at its next `poll()`; the checks of the copy's state
         are made then, and a failure of a copy that has finished by then is
@@ -302,7 +302,7 @@ class CopyEngine:
 
     def _report(self, call: str, copy: Copy, apply: Callable[[Copy, bool], None]) -> None:
         """Check `copy` is this engine's, then apply `apply(copy, deferred)` now or
-        record it for the owning thread ([R61], `cache.completions`)."""
+        record it for the owning thread ([R58], `cache.completions`)."""
         if not isinstance(copy, Copy):
             raise InvalidType(f"{call} takes a Copy, got {type(copy).__name__}")
         if copy._engine is not self:
@@ -336,7 +336,7 @@ class SideStream:
     """The CUDA side stream `DeviceCopies` queues copies on, and how it waits.
 
     A class of its own so that the window between queuing a copy's moves and
-    recording its event is one method, which `DeviceCopies` guards ([R62]);
+    recording its event is one method, which `DeviceCopies` guards ([R59]);
     tests/test_contract_copies.py drives it on a CPU-only machine through a
     fake CUDA runtime whose stream defers what it is given.
     """
@@ -396,7 +396,7 @@ class DeviceCopies(CopyEngine):
         except BaseException:
             # Part of the copy may be queued already: the [R38] undo that follows
             # frees its blocks and slots, so first wait until the stream is past
-            # it ([R62]), or another request's data could be overwritten.
+            # it ([R59]), or another request's data could be overwritten.
             _wait_out(side)
             raise
 
@@ -416,7 +416,7 @@ class DeviceCopies(CopyEngine):
 def _wait_out(side: SideStream) -> None:
     """`side.synchronize()`, retried while an interrupt (a `BaseException` that is
     not an `Exception`, e.g. `KeyboardInterrupt`) cuts it short: the caller is about
-    to free what the stream may still write ([R62]). The interrupt being handled
+    to free what the stream may still write ([R59]). The interrupt being handled
     propagates after; an `Exception` from the device (it is broken) propagates now."""
     while True:
         try:
@@ -449,7 +449,7 @@ class ManualCopies(CopyEngine):
         inside its own run). A copy whose own data movement raises is failed,
         and the error propagates.
 
-        May be called from any thread ([R61]): from a thread other than the
+        May be called from any thread ([R58]): from a thread other than the
         trie's owner (or while an operation runs) it is recorded, and the owning
         thread moves the data at its next `poll()`, before reaping; what would
         have been raised is not (a copy that failed stays failed, and is reaped
@@ -496,7 +496,7 @@ class ManualCopies(CopyEngine):
 
     def complete_all(self) -> None:
         """Complete every pending copy, oldest first (skipping copies that fail on the
-        way). From another thread: recorded as one report ([R61])."""
+        way). From another thread: recorded as one report ([R58])."""
         completions = self._completions
         if completions is None:
             self._complete_all_now(False)

@@ -170,7 +170,7 @@ class EventLog:
         """The trie's nodes, which events name (set by the trie once it has them)."""
         self._events: list[Event | StoredRun] = []
         self.lora_ids: dict[str, int] = {}
-        """Namespace -> the `lora_id` its events carry (`BlockTrie.bind_lora`, [R91])."""
+        """Namespace -> the `lora_id` its events carry (`BlockTrie.bind_lora`, [R70])."""
         # What every event recorded so far replays to, per group and medium.
         self._gpu_view = BlockBitmap()
         self._checkpoint_view = BlockBitmap()

@@ -535,7 +535,7 @@ class Evictor:
         return self.reclaimable() >= short
 
     def reclaimable(self) -> int:
-        """Every block `make_room` could free ([R16], [R80]; no change made): the
+        """Every block `make_room` could free ([R16], [R62]; no change made): the
         eviction cascade's node blocks and their frozen tails, then the frozen
         tails of the other unpinned checkpoints. A write-back store it would
         queue counts as finished ([R52]).

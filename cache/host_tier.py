@@ -9,14 +9,14 @@
 - the host eviction indexes: with write-back, the *duplicates*, an `LRUIndex`
   holding exactly the `mirrored` nodes whose host block nobody else holds,
   newest-created first (a child before its parent), which host pressure
-  reclaims first ([R92]); and an `LRUIndex` holding *exactly* the `offloaded`
+  reclaims first ([R71]); and an `LRUIndex` holding *exactly* the `offloaded`
   nodes with no children whose host block nobody else holds, by
   `(tick, serial)` ([R10]);
 - every `spec.lifecycle.RESIDENCY` transition: a store queued at commit
   ([R47]), its outcome when reaped, device eviction of a mirrored leaf
   (`offload`, [R48]), a load ([R50]), a commit that computed a host-resident
   block itself (`adopt`, [R49]), host eviction ([R51]) and the reclaiming of
-  a duplicate's host copy (`drop_copy`, [R92]).
+  a duplicate's host copy (`drop_copy`, [R71]).
 
 The device side (the device block, the owner map, node states, the device
 eviction index) stays the `Evictor`'s; this module asks it to attach or
@@ -111,11 +111,11 @@ class HostTier:
         serial = nodes.serial.__getitem__
         self.duplicates: LRUIndex[Node] = LRUIndex(lambda node: -serial(node), serial)
         """With write-back, the `mirrored` nodes whose host block only they hold,
-        newest-created first (a child before its parent) ([R92]): keyed by what
+        newest-created first (a child before its parent) ([R71]): keyed by what
         never changes, so a tick set while one is held needs no re-indexing.
         Empty with write-through."""
         self.duplicates_first = duplicates_first
-        """Whether host pressure reclaims duplicates first (write-back, [R92])."""
+        """Whether host pressure reclaims duplicates first (write-back, [R71])."""
         self.loading: dict[Node, Copy] = {}
         """Each `loading` node's load copy, until it is reaped."""
         self.write_backs: dict[int, Copy] = {}
@@ -190,7 +190,7 @@ class HostTier:
     def settle(self, node: Node) -> None:
         """Put `node` in the host eviction index iff it is eligible (an `offloaded`
         leaf whose host block only the trie holds), keeping invariant 7; and in
-        the duplicates iff it is `mirrored` and only it holds its host block ([R92]).
+        the duplicates iff it is `mirrored` and only it holds its host block ([R71]).
 
         A node that is not `offloaded` is never in the host index (every way out
         of `offloaded` leaves the index first: a match's `pin`, `adopt`,
@@ -208,7 +208,7 @@ class HostTier:
 
     def _settle_duplicate(self, node: Node) -> None:
         """Put `node` in the duplicates iff it is `mirrored` and only it holds its
-        host block ([R92])."""
+        host block ([R71])."""
         if not self.duplicates_first:
             return
         t = self.nodes
@@ -227,7 +227,7 @@ class HostTier:
     # ---------------------------------------------------------------- store
 
     def reserve_for_store(self) -> int | None:
-        """A host block for a new store, evicting one if none is free ([R47], [R92]);
+        """A host block for a new store, evicting one if none is free ([R47], [R71]);
         None when the host tier is full of blocks it may not evict."""
         blocks = self.reserve_for_stores(1)
         return blocks[0] if blocks else None
@@ -370,7 +370,7 @@ class HostTier:
 
     def evict(self, n: int) -> int:
         """Free up to `n` host blocks: with write-back, the host copies of duplicates
-        first ([R92]: `mirrored` blocks, still on the device, stored again if the
+        first ([R71]: `mirrored` blocks, still on the device, stored again if the
         device evicts them: nothing is lost), newest-created first; then LRU
         host-only leaves ([R51]). Returns how many. A parent left an offloaded
         leaf is evictable next."""
@@ -396,7 +396,7 @@ class HostTier:
         return freed
 
     def _drop_copies(self, n: int) -> int:
-        """Reclaim the host blocks of up to `n` duplicates, newest first ([R92]): each
+        """Reclaim the host blocks of up to `n` duplicates, newest first ([R71]): each
         node stays attached with its device block, residency `device`. Counted in
         `host_evicted_blocks`, announced as removed from the host (medium CPU)."""
         duplicates = self.duplicates

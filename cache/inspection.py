@@ -140,7 +140,7 @@ def check(trie: BlockTrie) -> None:
     snap = snapshot(trie)
     invariants.check_all(snap)
     host = trie._host
-    if host is not None and host.duplicates_first:  # [R92]: the duplicates index
+    if host is not None and host.duplicates_first:  # [R71]: the duplicates index
         serial = trie._nodes.serial
         have = sorted(serial[n] for n in host.duplicates)
         want = sorted(

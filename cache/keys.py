@@ -50,7 +50,7 @@ def unpack_tokens(packed: bytes) -> tuple[int, ...]:
 
 
 def salted(extra: tuple[Identity, ...] | None, salt: str) -> tuple[Identity, ...]:
-    """`extra` with vLLM's `cache_salt` folded into block 0's identity ([R91]).
+    """`extra` with vLLM's `cache_salt` folded into block 0's identity ([R70]).
 
     Block 0's identity becomes a tuple: its own extra keys (none for None, the
     items of a tuple, else the value itself), then `salt`, which is where vLLM's

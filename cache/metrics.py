@@ -17,7 +17,7 @@ and host-tier traffic, and the pools' free and cached counts.
 Counters are exported as Prometheus counters: never decreasing between resets.
 `abort` rolls a match's counts back ([R42]); the exported value then holds at its
 high-water mark until the count passes it again, so a rollback is not read as a
-counter reset. `stats.reset()` ([R90]) is one: the values restart from 0.
+counter reset. `stats.reset()` ([R69]) is one: the values restart from 0.
 
 A scrape runs on the HTTP server's thread while the scheduler thread owns the
 trie ([R45]): it only reads ints, without the trie's gate, so one scrape may see

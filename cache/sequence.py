@@ -70,7 +70,7 @@ def check_redeemable(
     """Raise unless `receipt` is a `kind` receipt that `owner`'s `issuer` (its `pin` or
     `pin_blocks`) gave and `outstanding` (by id) still holds: `InvalidType` for another
     type, `PinError` for one already redeemed or not `owner`'s (single use: [R3],
-    [R40], [R85]). Errors name the redeeming call, `un` + the issuer's name."""
+    [R40], [R67]). Errors name the redeeming call, `un` + the issuer's name."""
     operation = f"un{issuer.__name__}"
     if not isinstance(receipt, kind):
         raise InvalidType(f"{operation} takes a {kind.__name__}, got {type(receipt).__name__}")

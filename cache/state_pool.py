@@ -89,7 +89,7 @@ class CheckpointSlotPool:
         self.shapes = dict(shapes)
         self.pool_spans: list[StorageSpan] = []
         """The storage of every pool of the cache this pool serves (its owner sets
-        it): what no runtime tensor may overlap ([R63])."""
+        it): what no runtime tensor may overlap ([R60])."""
         self.name = name
         self._fault_point = "slots.take" if name == "checkpoint pool" else "host_slots.take"
         dtypes = dtype if isinstance(dtype, Mapping) else dict.fromkeys(self.shapes, dtype)
@@ -144,12 +144,12 @@ class CheckpointSlotPool:
         It must map exactly the configured state names to tensors of the
         configured shapes, dense (strided), on a real device (dtype and device
         may differ from the pool's: copies convert, but complex and real never
-        mix, [R63]: the imaginary part would be dropped). No tensor may
+        mix, [R60]: the imaginary part would be dropped). No tensor may
         overlap the storage of one of `pool_spans` (the cache's own pools: a
         runtime view of a checkpoint slot or a KV block would be read or
-        overwritten behind its owner's back, [R63]). Tensors a restore writes
+        overwritten behind its owner's back, [R60]). Tensors a restore writes
         (`written`) must not require grad, nor overlap themselves (an
-        `expand()`ed view) or each other ([R63]). With no configured states,
+        `expand()`ed view) or each other ([R60]). With no configured states,
         None or {} is accepted.
         """
         if runtime_state is None and not self.shapes:
@@ -194,7 +194,7 @@ class CheckpointSlotPool:
                     f"runtime_state[{name!r}] requires grad; a restore cannot write into it"
                 )
             pool = self.tensors.get(name)
-            if pool is not None and tensor.is_complex() != pool.is_complex():  # [R63]
+            if pool is not None and tensor.is_complex() != pool.is_complex():  # [R60]
                 raise InvalidArgument(
                     f"runtime_state[{name!r}] is {tensor.dtype} and the {self.name} holds "
                     f"{pool.dtype}: complex and real states do not convert (an imaginary "
@@ -208,7 +208,7 @@ class CheckpointSlotPool:
     def _check_overlaps(
         runtime: dict[str, torch.Tensor], written: bool, pools: Iterable[StorageSpan]
     ) -> None:
-        """[R63]: no runtime tensor overlaps a pool's storage, and no two tensors a
+        """[R60]: no runtime tensor overlaps a pool's storage, and no two tensors a
         restore writes overlap each other (byte extents, compared per device)."""
         extents = {name: (tensor.device, *_extent(tensor)) for name, tensor in runtime.items()}
         for name, (device, start, stop) in extents.items():

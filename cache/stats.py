@@ -16,7 +16,7 @@ class CacheStats:
 
     `hit_rate` = hit_tokens / query_tokens since the trie was built (or since
     `reset()`); `recent_hit_rate` the same over the last `window` matches
-    ([R90]). `peak_pins` is the most checkpoint pins outstanding at once (a
+    ([R69]). `peak_pins` is the most checkpoint pins outstanding at once (a
     high-water mark `abort` never rolls back, [R42]); `pins` the number
     outstanding now.
     """
@@ -55,7 +55,7 @@ class CacheStats:
     pins: int
     recent: deque[tuple[int, int, int]]
     """The last `window` matches not aborted, oldest first: `(sequence serial,
-    tokens queried, tokens hit)` ([R90]). `match` appends; `abort` removes its own."""
+    tokens queried, tokens hit)` ([R69]). `match` appends; `abort` removes its own."""
     reset_serial: int
     """No sequence with a serial above this was matched before the last `reset()` (0:
     never reset); `abort` rolls back only the counters of a match made after it."""
@@ -84,7 +84,7 @@ class CacheStats:
 
     @property
     def recent_hit_rate(self) -> float:
-        """`hit_rate` over the last `window` matches ([R90]): their hit tokens over their
+        """`hit_rate` over the last `window` matches ([R69]): their hit tokens over their
         queried tokens (0.0 before any query). Read in O(window): for a scrape or a
         log line, not per request."""
         queried = hit = 0
@@ -94,7 +94,7 @@ class CacheStats:
         return hit / queried if queried else 0.0
 
     def reset(self) -> None:
-        """Start every counter again from 0 and empty the recent window ([R90]).
+        """Start every counter again from 0 and empty the recent window ([R69]).
 
         `pins` (outstanding now) stays, and `peak_pins` restarts from it. A match
         made before the reset is not rolled back by a later `abort`: its counts

@@ -6,7 +6,7 @@ copies can be asynchronous; empty without a host tier) and the node table.
 The pools are made whole up front, so a configuration that does not fit
 fails here, as one `ConfigError` naming every pool, and never later inside
 an operation. The checkpoint pool is told the storage of every pool, which
-no runtime state may overlap ([R63]). What each part holds and its rules
+no runtime state may overlap ([R60]). What each part holds and its rules
 live in its own module (`cache.kv_pool`, `cache.state_pool`, `cache.node`).
 """
 
@@ -82,7 +82,7 @@ def allocate_storage(config: CacheConfig, device: torch.device, faults: Faults) 
             "(host) checkpoint slots "
             f"({config.state_bytes_per_slot()} B each) on {device}: {exc}"
         ) from None
-    slots.pool_spans = storage_spans(  # what no runtime state may overlap ([R63])
+    slots.pool_spans = storage_spans(  # what no runtime state may overlap ([R60])
         [
             ("KV pool", kv.tensor),
             *((f"checkpoint pool {n!r}", t) for n, t in slots.tensors.items()),

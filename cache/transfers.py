@@ -87,7 +87,7 @@ class Transfers:
         self, engine: CopyEngine, device: torch.device, completions: CompletionQueue
     ) -> None:
         """Queue later copies on `engine`, binding it to `device` (`CopyEngine.bind`)
-        and to the trie's `completions` (reports from other threads, [R61]).
+        and to the trie's `completions` (reports from other threads, [R58]).
 
         Refused with `CacheError`, changing nothing, while a copy is in flight on
         the current engine (only its copies are reaped by `poll`, so it would

@@ -28,11 +28,12 @@ Single-threaded ([R45]): every operation (`snapshot()` and `check()`
 included) holds the trie's gate while it runs; a second thread gets
 `ConcurrentUse` before it changes anything (`cache.gate`). Copy completion
 and failure may be reported from any thread: `cache.completions` records them
-for the owning thread, which applies them in `poll()` ([R61]).
+for the owning thread, which applies them in `poll()` ([R58]).
 
-This module is longer than the ~400 lines the others keep to (about 800
-lines: 540 of code, 190 of docstrings, 90 blank or comments): it holds twenty
-public operations and the copy engine's property. Each operation takes the
+This module is longer than the ~400 lines the others keep to (about 960
+lines: 620 of code, 260 of docstrings, 100 blank or comments): it holds
+twenty-six public operations, the copy engine's property and
+`num_reclaimable_blocks` (a count that takes the gate). Each operation takes the
 gate and checks its sequence; `match`, `allocate`, `commit`, `release` and
 `evict`, the hot path, plan here over the parts (no call per block spent on
 reaching a plan elsewhere); `load`, `save` and `restore` hand their plans to
@@ -152,7 +153,7 @@ class BlockTrie(TrieCounts):
                 self._kv,
                 self.stats,
                 self._events,
-                duplicates_first=config.host_write == "back",  # [R92]
+                duplicates_first=config.host_write == "back",  # [R71]
             )
         self._evictor = Evictor(
             self._nodes, self._kv, self._checkpoints, self.stats, self._events, self._host
@@ -186,7 +187,7 @@ class BlockTrie(TrieCounts):
         )  # fmt: skip
         self._explicit: dict[int, PinReceipt] = {}
         self._gate = threading.Lock()  # held while an operation runs ([R45])
-        self._completions = CompletionQueue(self._gate)  # reports from other threads ([R61])
+        self._completions = CompletionQueue(self._gate)  # reports from other threads ([R58])
         engine._completions = self._completions
 
     # ------------------------------------------------------------ properties
@@ -194,7 +195,7 @@ class BlockTrie(TrieCounts):
 
     @property
     def num_reclaimable_blocks(self) -> int:
-        """KV blocks an `allocate` could obtain right now ([R80]): the free ones plus
+        """KV blocks an `allocate` could obtain right now ([R62]): the free ones plus
         every block making room could free ([R16]: the eviction cascade, parents
         left evictable included, and unpinned checkpoints' frozen tails). SGLang's
         `evictable_size` plus its free blocks; vLLM's free blocks counting the
@@ -311,18 +312,18 @@ class BlockTrie(TrieCounts):
         """Look up the longest usable cached prefix of `tokens`; takes refs (and a pin) at once.
 
         `cache_salt` (vLLM's): folded into block 0's extra identity as vLLM folds
-        it into that block's extra keys ([R91]), so that salted requests share
+        it into that block's extra keys ([R70]), so that salted requests share
         cache only with requests of the same salt, and under `block_hash="vllm"`
-        publish vLLM's hashes where vLLM's layout names the block apart ([R70]);
+        publish vLLM's hashes where vLLM's layout names the block apart ([R61]);
         None or "" is no salt. `seq.extra` shows the fold.
 
         Returns a live `Sequence` whose `num_cached_tokens` is the hit ([R13]):
         attention-only, the longest cached full-block prefix; SSM, the step of
         the deepest published checkpoint whose prefix equals the request's. At
         least one token is left to compute. `max_hit_tokens` caps the hit
-        ([R82]: 0 is vLLM's prompt-logprobs request, which hits nothing yet
+        ([R64]: 0 is vLLM's prompt-logprobs request, which hits nothing yet
         commits as usual); `atomic_spans`, `(start, end)` token ranges such as
-        multimodal items, are hit whole or not at all ([R83]). Raises
+        multimodal items, are hit whole or not at all ([R65]). Raises
         `InvalidType` / `InvalidArgument` on malformed input ([R1]), changing
         nothing. Keeps invariants 1, 2, 5 and 6; `abort` undoes it exactly
         (invariant 8).
@@ -334,12 +335,12 @@ class BlockTrie(TrieCounts):
             if not toks:
                 raise InvalidArgument("match: tokens must hold at least one token")
             if type(namespace) is not str or not namespace.isascii():
-                namespace = namespace_arg(namespace)  # [R60]: refused unless exactly a str
-            ext = None if extra is None else extra_tuple(extra)  # [R60]: owned from here on
+                namespace = namespace_arg(namespace)  # [R57]: refused unless exactly a str
+            ext = None if extra is None else extra_tuple(extra)  # [R57]: owned from here on
             if cache_salt is not None:
-                salt = cache_salt_arg(cache_salt)  # [R60]
+                salt = cache_salt_arg(cache_salt)  # [R57]
                 if salt:
-                    ext = salted(ext, salt)  # [R91]
+                    ext = salted(ext, salt)  # [R70]
             bounded = max_hit_tokens is not None or atomic_spans is not NO_SPANS
             cap, spans = hit_bounds(max_hit_tokens, atomic_spans) if bounded else (None, ())
             size = self._block_size
@@ -350,7 +351,7 @@ class BlockTrie(TrieCounts):
             if root is not None:  # [R12]: walk while a child with the exact key exists
                 path = self._walk(root, keys, ext is None and self._key_hash is None)
             usable = min(len(path), (len(toks) - 1) // size)
-            if bounded:  # [R82], [R83]; an SSM hit ends at a checkpoint: spans checked there
+            if bounded:  # [R64], [R65]; an SSM hit ends at a checkpoint: spans checked there
                 usable = bounded_depth(usable, size, cap, NO_SPANS if self._ssm else spans)
             ck: Checkpoint | None = None
             host_nodes: list[Node] = []
@@ -404,7 +405,7 @@ class BlockTrie(TrieCounts):
             stats.queries += 1
             stats.query_tokens += len(toks)
             stats.hit_tokens += hit
-            stats.recent.append((seq.serial, len(toks), hit))  # [R90]
+            stats.recent.append((seq.serial, len(toks), hit))  # [R69]
             self._live[seq.serial] = seq
             return seq
         finally:
@@ -453,7 +454,7 @@ class BlockTrie(TrieCounts):
         return -(-n // self._block_size) - len(seq.blocks)
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `allocate(seq, num_tokens)` would succeed now ([R81]); changes nothing.
+        """Whether `allocate(seq, num_tokens)` would succeed now ([R63]); changes nothing.
 
         Validates as `allocate` does and raises what it would raise for a
         malformed call (`InvalidType`, `SequenceNotLive`, `InvalidArgument`);
@@ -579,7 +580,7 @@ class BlockTrie(TrieCounts):
                     stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
                     path.extend(stored)
                     if hashes is not None:
-                        if self._block_pins.indexing:  # [R84]: findable by hash
+                        if self._block_pins.indexing:  # [R66]: findable by hash
                             self._block_pins.added(seq.namespace, hashes, stored)
                         under_root = t.is_root(parent)
                         events.stored(
@@ -675,7 +676,7 @@ class BlockTrie(TrieCounts):
         with Exclusive(self._gate, "abort()"):
             self._check_live(seq)
             stats = self.stats
-            if stats.forget_match(seq.serial):  # [R90]: unless reset since
+            if stats.forget_match(seq.serial):  # [R69]: unless reset since
                 stats.queries -= 1
                 stats.query_tokens -= seq.query_tokens
                 stats.hit_tokens -= seq.num_cached_tokens
@@ -743,7 +744,7 @@ class BlockTrie(TrieCounts):
             return self._checkpoints.evict_lru(count)
 
     def drop_checkpoint(self, seq: Sequence, step: int) -> bool:
-        """Release the checkpoint after exactly `step` tokens of `seq`'s prefix ([R86]).
+        """Release the checkpoint after exactly `step` tokens of `seq`'s prefix ([R68]).
 
         lmdeploy keeps one rolling decode checkpoint per sequence: once a newer
         one is saved, the engine drops the old one. The checkpoint must sit on
@@ -834,7 +835,7 @@ class BlockTrie(TrieCounts):
         ([R35]). Returns how many were reaped.
 
         First it applies, in the order they were made, the completions and
-        failures other threads reported since ([R61]); the calling thread
+        failures other threads reported since ([R58]); the calling thread
         becomes the trie's owning thread.
         """
         with Exclusive(self._gate, "poll()"):
@@ -864,7 +865,7 @@ class BlockTrie(TrieCounts):
 
     def pin_blocks(self, block_hashes: list[int], namespace: str = "") -> BlockPinReceipt:
         """Pin the cached blocks of `namespace` that events published with these hashes
-        ([R84]): no eviction frees them until `unpin_blocks(receipt)`.
+        ([R66]): no eviction frees them until `unpin_blocks(receipt)`.
 
         For a router or a disaggregated prefill that names blocks by the hash of
         their `BlockStored` event (compared by its low 64 bits, the wire value:
@@ -877,11 +878,11 @@ class BlockTrie(TrieCounts):
         """
         with Exclusive(self._gate, "pin_blocks()"):
             hashes = block_hashes_arg(block_hashes)
-            namespace = namespace_arg(namespace)  # [R60]
+            namespace = namespace_arg(namespace)  # [R57]
             return self._block_pins.pin(self, hashes, namespace)
 
     def unpin_blocks(self, receipt: BlockPinReceipt) -> None:
-        """Redeem a receipt from `pin_blocks` ([R85]); a second use raises `PinError`."""
+        """Redeem a receipt from `pin_blocks` ([R67]); a second use raises `PinError`."""
         with Exclusive(self._gate, "unpin_blocks()"):
             receipts = self._block_pins.receipts
             check_redeemable(receipt, BlockPinReceipt, self, receipts, self.pin_blocks)
@@ -890,7 +891,7 @@ class BlockTrie(TrieCounts):
     # ---------------------------------------------------------------- events
 
     def bind_lora(self, namespace: str, lora_id: int | None) -> None:
-        """Events of `namespace` carry `lora_id` from now on ([R91]): vLLM's integer
+        """Events of `namespace` carry `lora_id` from now on ([R70]): vLLM's integer
         adapter id (`LoRARequest.lora_int_id`, an int > 0), beside the namespace as
         `lora_name`; None unbinds (events carry `lora_id=None` again). Events
         already recorded keep the id they were recorded with. Changes nothing
@@ -899,7 +900,7 @@ class BlockTrie(TrieCounts):
         an int > 0.
         """
         with Exclusive(self._gate, "bind_lora()"):
-            namespace = namespace_arg(namespace)  # [R60]
+            namespace = namespace_arg(namespace)  # [R57]
             if lora_id is None:
                 self._events.lora_ids.pop(namespace, None)
                 return
@@ -935,7 +936,7 @@ class BlockTrie(TrieCounts):
         """The whole cache as plain data (`spec.snapshot.Snapshot`).
 
         Like every operation it holds the trie while it reads: from a monitor
-        thread it is either consistent or refused with `ConcurrentUse` ([R61]).
+        thread it is either consistent or refused with `ConcurrentUse` ([R58]).
         """
         with Exclusive(self._gate, "snapshot()"):
             return inspection.snapshot(self)
@@ -943,7 +944,7 @@ class BlockTrie(TrieCounts):
     def check(self) -> None:
         """Verify invariants 1-7, 9 and 10 (`spec.invariants.INVARIANTS`) on the live
         structure; raises `InvariantViolation` naming the first one broken, and
-        `ConcurrentUse` while another thread's operation runs ([R61])."""
+        `ConcurrentUse` while another thread's operation runs ([R58])."""
         with Exclusive(self._gate, "check()"):
             inspection.check(self)
 

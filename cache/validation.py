@@ -58,7 +58,7 @@ def token_list(tokens: object, what: str = "tokens") -> array[int]:
     except OverflowError:  # an id past 2**32 (or out of range: the next pass says)
         try:
             return array(U64, tokens)
-        except Exception:  # an element's own conversion may raise anything ([R60])
+        except Exception:  # an element's own conversion may raise anything ([R57])
             _explain_bad_tokens(tokens, what)
     except Exception:
         _explain_bad_tokens(tokens, what)
@@ -170,7 +170,7 @@ def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoRet
 
     An element whose conversion (`operator.index`) raises anything, not only
     `TypeError` (a 0-d uint64 tensor holding 2**63 raises torch's
-    `RuntimeError`), is not an integer token id: `InvalidType` ([R60]).
+    `RuntimeError`), is not an integer token id: `InvalidType` ([R57]).
     """
     ids: list[int] = []
     for t in tokens:
@@ -190,10 +190,10 @@ def _explain_bad_tokens(tokens: list[Any] | tuple[Any, ...], what: str) -> NoRet
 
 
 Identity: TypeAlias = "bool | int | str | bytes | tuple[Identity, ...] | None"
-"""An extra identity in the form the cache keeps ([R60]): exact builtin values only."""
+"""An extra identity in the form the cache keeps ([R57]): exact builtin values only."""
 
 IDENTITY_DEPTH = 32
-"""How deep identity tuples may nest ([R60]): deeper is refused, before the
+"""How deep identity tuples may nest ([R57]): deeper is refused, before the
 recursive hashers and encoders could overflow the stack."""
 
 _IDENTITY_ATOMS = frozenset((type(None), bool, int, bytes))
@@ -201,7 +201,7 @@ _IDENTITY_TYPES = "None, bool, int, str, bytes or a tuple of those"
 
 
 def namespace_arg(namespace: object) -> str:
-    """`namespace` if it is exactly a `str` holding valid Unicode ([R60]).
+    """`namespace` if it is exactly a `str` holding valid Unicode ([R57]).
 
     A `str` subclass is refused (`InvalidType`): its `__hash__` / `__eq__`
     would run inside the operation, after validation. A string with a lone
@@ -217,8 +217,8 @@ def namespace_arg(namespace: object) -> str:
 
 
 def cache_salt_arg(salt: object) -> str | None:
-    """`match`'s `cache_salt` ([R91]): None, or exactly a `str` holding valid Unicode
-    ([R60]: it becomes part of block 0's identity); "" is no salt (None), as in vLLM."""
+    """`match`'s `cache_salt` ([R70]): None, or exactly a `str` holding valid Unicode
+    ([R57]: it becomes part of block 0's identity); "" is no salt (None), as in vLLM."""
     if salt is None:
         return None
     if type(salt) is not str:
@@ -230,7 +230,7 @@ def cache_salt_arg(salt: object) -> str | None:
 
 
 def extra_tuple(extra: object) -> tuple[Identity, ...] | None:
-    """Per-block extra identities as a tuple the cache owns (None stays None) ([R60]).
+    """Per-block extra identities as a tuple the cache owns (None stays None) ([R57]).
 
     Each identity must be exactly None, bool, int, str, bytes or a tuple of
     those (nested at most `IDENTITY_DEPTH` deep): values whose hashing and
@@ -281,7 +281,7 @@ def _check_identities(items: tuple[object, ...], where: str, depth: int) -> None
 
 
 def _check_unicode(text: str, where: str) -> None:
-    """Refuse a str that UTF-8 cannot encode (a lone surrogate) ([R60])."""
+    """Refuse a str that UTF-8 cannot encode (a lone surrogate) ([R57])."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

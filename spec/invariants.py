@@ -51,7 +51,7 @@ def _receipts(snap: Snapshot) -> Counter[int]:
 
 
 def reference_conservation(snap: Snapshot) -> Problems:
-    """1. Count = [attached node] + sequences + [frozen tail] + copies + block pins ([R84]);
+    """1. Count = [attached node] + sequences + [frozen tail] + copies + block pins ([R66]);
     0 iff free, once."""
     expected: Counter[int] = Counter()
     for block in _attached(snap):
@@ -375,7 +375,7 @@ def events(snap: Snapshot) -> Problems:
     """10. Replaying the emitted events yields exactly the cached block set (blocks
     still loading from the host tier excluded), and, for checkpoint events, exactly
     the slots of the matchable checkpoints; no two cached blocks publish one block
-    hash ([R70]), or removing one would tell a router both are gone."""
+    hash ([R61]), or removing one would tell a router both are gone."""
     problems: Problems = []
     hashes = snap.get("event_block_hashes")
     if hashes is not None:

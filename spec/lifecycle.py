@@ -245,7 +245,7 @@ is `BlockTrie.load` taking a device block for a host-resident one; `adopt` is a
 commit that computed a host-resident block itself (its block becomes the
 device copy); `drop_copy` is host pressure reclaiming the host copy of a
 block still on the device, which host eviction takes before any host-only
-block ([R92]). No transition leaves `storing` or `loading` except the copy's
+block ([R71]). No transition leaves `storing` or `loading` except the copy's
 own outcome: nothing evicts, frees or reuses a block a copy still reads or
 writes (`RESIDENCY_PINS`).
 """
@@ -264,7 +264,7 @@ RESIDENCY_EVICTIONS: dict[Residency, str] = {
     Residency.STORING: "none: the store copy holds the device block",
     Residency.MIRRORED: (
         "device eviction frees the device block; the node stays, `host`; host eviction "
-        "frees the host block first ([R92]); the node stays, `device`"
+        "frees the host block first ([R71]); the node stays, `device`"
     ),
     Residency.HOST: "host eviction frees the node once it is a leaf no request reads",
     Residency.LOADING: "none: the load copy holds both blocks",

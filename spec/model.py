@@ -282,7 +282,7 @@ def _check_tokens(tokens: object, what: str, *, nonempty: bool) -> tuple[int, ..
     for t in tokens:
         try:
             operator.index(t)
-        except Exception:  # [R60]: whatever its conversion raises, it is no integer id
+        except Exception:  # [R57]: whatever its conversion raises, it is no integer id
             raise InvalidType(f"{what}: every token must be an integer, got {t!r}") from None
     for t in tokens:
         if not 0 <= operator.index(t) < 2**64:
@@ -297,7 +297,7 @@ def _valid_unicode(text: str) -> bool:
 
 
 def _check_namespace(namespace: object) -> str:
-    # [R60]: exactly a str (a subclass's __hash__ would run mid-operation), valid Unicode.
+    # [R57]: exactly a str (a subclass's __hash__ would run mid-operation), valid Unicode.
     if type(namespace) is not str:
         raise InvalidType(f"namespace must be exactly a str, got {type(namespace).__name__}")
     if not _valid_unicode(namespace):
@@ -306,7 +306,7 @@ def _check_namespace(namespace: object) -> str:
 
 
 def _check_identity(value: object, where: str, depth: int) -> None:
-    # [R60]: None, bool, int, str, bytes or tuples of those, exactly; each
+    # [R57]: None, bool, int, str, bytes or tuples of those, exactly; each
     # identity's type before its value, in order; tuples nest at most 32 deep.
     if value is None or type(value) in (bool, int, bytes):
         return
@@ -323,7 +323,7 @@ def _check_identity(value: object, where: str, depth: int) -> None:
 
 
 def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
-    # [R1], [R5], [R60]: stored as a tuple; identities compared with ==.
+    # [R1], [R5], [R57]: stored as a tuple; identities compared with ==.
     if extra is None:
         return None
     if not isinstance(extra, (list, tuple)):
@@ -334,7 +334,7 @@ def _check_extra(extra: object) -> tuple[Hashable, ...] | None:
 
 
 def _check_bounds(max_hit_tokens: object, atomic_spans: object) -> tuple[int | None, list[Any]]:
-    # [R1], [R2], [R82], [R83]: the cap, then each span in order.
+    # [R1], [R2], [R64], [R65]: the cap, then each span in order.
     if max_hit_tokens is not None:
         _check_int(max_hit_tokens, "match: max_hit_tokens")
         if max_hit_tokens < 0:  # type: ignore[operator]
@@ -352,7 +352,7 @@ def _check_bounds(max_hit_tokens: object, atomic_spans: object) -> tuple[int | N
 
 
 def _hit_allowed(end: int, cap: int | None, spans: list[Any]) -> bool:
-    """[R82], [R83]: a hit of `end` tokens is at most `cap` and cuts no span."""
+    """[R64], [R65]: a hit of `end` tokens is at most `cap` and cuts no span."""
     return (cap is None or end <= cap) and not any(s < end < e for s, e in spans)
 
 
@@ -384,7 +384,7 @@ class ReferenceCache:
     ) -> None:
         """`block_hash(namespace, keys)`: the published (64-bit) hash of the block at
         the end of the path `keys` from the namespace's root, as the cache's events
-        name it; None models a cache without events ([R84])."""
+        name it; None models a cache without events ([R66])."""
         for name, value, low in (
             ("stats_window", stats_window, 1),
             ("block_size", block_size, 1),
@@ -423,11 +423,11 @@ class ReferenceCache:
         self._sequences: list[ModelSequence] = []  # live sequences, in creation order
         self._copies: list[ModelCopy] = []  # unreaped copies, oldest first
         self._receipts: list[ModelReceipt] = []  # outstanding explicit receipts
-        self._block_receipts: list[ModelBlockReceipt] = []  # outstanding `pin_blocks` ([R84])
+        self._block_receipts: list[ModelBlockReceipt] = []  # outstanding `pin_blocks` ([R66])
         self._block_hash = block_hash
         self._stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
         self._window = stats_window
-        self._recent: list[tuple[int, int, int]] = []  # [R90]: (sequence, queried, hit)
+        self._recent: list[tuple[int, int, int]] = []  # [R69]: (sequence, queried, hit)
         self.fail_next_block_take = False
         """Fault injection, as the cache's `faults.arm()` on a KV take: the next time
         blocks are taken (after make-room, [R17]), raise `AllocationFailed` instead;
@@ -457,7 +457,7 @@ class ReferenceCache:
         for cp in self._copies:
             for b in cp._blocks:
                 rc[b] += 1
-        for r in self._block_receipts:  # [R84]: a block pin is a reference
+        for r in self._block_receipts:  # [R66]: a block pin is a reference
             for b in r._blocks:
                 rc[b] += 1
         return rc
@@ -664,7 +664,7 @@ class ReferenceCache:
 
     def _evict_host(self, n: int) -> int:
         """Host eviction: with write-back, first the host copies of mirrored nodes no
-        request or copy holds, newest-created first ([R92]); then LRU offloaded
+        request or copy holds, newest-created first ([R71]); then LRU offloaded
         leaves no request or copy holds ([R51])."""
         hrc = self._host_refcounts()
         duplicates = sorted(
@@ -928,14 +928,14 @@ class ReferenceCache:
         toks = _check_tokens(tokens, "match", nonempty=True)
         ns = _check_namespace(namespace)
         ext = _check_extra(extra)
-        if cache_salt is not None:  # [R60]: exactly a str, valid Unicode
+        if cache_salt is not None:  # [R57]: exactly a str, valid Unicode
             if type(cache_salt) is not str:
                 raise InvalidType(
                     f"cache_salt must be exactly a str, got {type(cache_salt).__name__}"
                 )
             if not _valid_unicode(cache_salt):
                 raise InvalidArgument(f"cache_salt {cache_salt!r} holds a lone surrogate")
-        if cache_salt:  # [R91]: block 0's extra keys, then the salt, as vLLM folds it
+        if cache_salt:  # [R70]: block 0's extra keys, then the salt, as vLLM folds it
             first = _identity(ext, 0)
             own = () if first is None else first if isinstance(first, tuple) else (first,)
             ext = ((*own, cache_salt), *(ext[1:] if ext else ()))
@@ -967,7 +967,7 @@ class ReferenceCache:
                     if load is not None and load.failed:
                         limit = i
                         break
-            while limit > 0 and not _hit_allowed(limit * B, cap, spans):  # [R82], [R83]
+            while limit > 0 and not _hit_allowed(limit * B, cap, spans):  # [R64], [R65]
                 limit -= 1
             seq._path = walked[:limit]
             seq.num_cached_tokens = limit * B
@@ -1033,7 +1033,7 @@ class ReferenceCache:
             self._stats[name] += value
         self._recent = [*self._recent, (seq._id, len(toks), seq.num_cached_tokens)][
             -self._window :
-        ]  # [R90]: the last `stats_window` matches
+        ]  # [R69]: the last `stats_window` matches
         self._sequences.append(seq)
         return seq
 
@@ -1060,7 +1060,7 @@ class ReferenceCache:
         self._grow(s, need)
 
     def can_allocate(self, seq: ModelSequence, num_tokens: int) -> bool:
-        """[R81]: `allocate`'s validation, then whether it would get its blocks."""
+        """[R63]: `allocate`'s validation, then whether it would get its blocks."""
         s = self._check_allocation("can_allocate", seq, num_tokens)
         if s._load_failed or s._host_path:  # allocate would refuse ([R50])
             return False
@@ -1069,7 +1069,7 @@ class ReferenceCache:
 
     @property
     def num_reclaimable_blocks(self) -> int:
-        """[R80]: free blocks + what making room could free ([R16])."""
+        """[R62]: free blocks + what making room could free ([R16])."""
         return len(self._free_block_list()) + self._reclaimable()
 
     def _refuse_unloaded(self, op: str, s: ModelSequence) -> None:
@@ -1226,11 +1226,11 @@ class ReferenceCache:
         s = self._check_seq(seq, "abort")
         for name, value in s._match_stats.items():  # [R21], [R42]
             self._stats[name] -= value
-        self._recent = [r for r in self._recent if r[0] != s._id]  # [R90]
+        self._recent = [r for r in self._recent if r[0] != s._id]  # [R69]
         self._end(s)
 
     def reset_stats(self) -> None:
-        """`stats.reset()` ([R90]): every counter to 0, the recent window emptied; a
+        """`stats.reset()` ([R69]): every counter to 0, the recent window emptied; a
         live match has nothing left for its abort to roll back."""
         self._stats = dict.fromkeys(STAT_COUNTERS, 0)
         self._recent = []
@@ -1239,7 +1239,7 @@ class ReferenceCache:
 
     @property
     def recent_hit_rate(self) -> float:
-        """Hit tokens over queried tokens of the last `stats_window` matches ([R90])."""
+        """Hit tokens over queried tokens of the last `stats_window` matches ([R69])."""
         queried = sum(q for _, q, _ in self._recent)
         return sum(h for _, _, h in self._recent) / queried if queried else 0.0
 
@@ -1379,7 +1379,7 @@ class ReferenceCache:
             )
         B = self._B
         d = st // B
-        if d > len(s._path):  # [R86]: the anchor must be on the sequence's path
+        if d > len(s._path):  # [R68]: the anchor must be on the sequence's path
             return False
         anchor = self._roots.get(s.namespace) if d == 0 else s._path[d - 1]
         c = None if anchor is None else anchor.checkpoint
@@ -1444,7 +1444,7 @@ class ReferenceCache:
         if self._block_hash is None:
             raise ConfigError("pin_blocks: blocks are named by event hashes; events are off")
         wanted = {h % 2**64 for h in block_hashes}  # a wide digest: its wire value
-        blocks = [  # [R84]: every device block of the namespace published with a listed hash
+        blocks = [  # [R66]: every device block of the namespace published with a listed hash
             n.block
             for n in self._nodes
             if n.namespace == ns and n.block is not None and self._node_hash(n) in wanted
@@ -1467,7 +1467,7 @@ class ReferenceCache:
             raise InvalidType(f"unpin_blocks: expected a block pin receipt, got {receipt!r}")
         if receipt._owner is not self:
             raise PinError("unpin_blocks: the receipt belongs to another cache")
-        if receipt._used:  # [R85]: single use
+        if receipt._used:  # [R67]: single use
             raise PinError("unpin_blocks: the receipt was already used")
         RECEIPT.step(ReceiptTrigger.REDEEM, receipt.state, "block pin receipt")
         receipt._used = True

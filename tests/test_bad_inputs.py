@@ -271,7 +271,7 @@ def _rows() -> list[Any]:
     add(t, "match-extra-unhashable", lambda w: w.trie.match([1], extra=[[1]]),
         InvalidType, r"extra\[0\]")
     add(t, "match-extra-dict", lambda w: w.trie.match([1], extra={1: 2}), InvalidType, "extra")
-    # [R60] (issue 44 item 1): identities the cache could not own, refused at the boundary
+    # [R57] (issue 44 item 1): identities the cache could not own, refused at the boundary
     add(t, "match-extra-float", lambda w: w.trie.match([1], extra=(None, 1.5)),
         InvalidType, r"extra\[1\] .*float: 1\.5")
     add(t, "match-extra-tensor", lambda w: w.trie.match([1], extra=(torch.tensor([1, 2]),)),
@@ -363,7 +363,7 @@ def _rows() -> list[Any]:
         InvalidArgument, r"runtime_state\['ssm'\]")
     add(r, "save-state-sparse", lambda w: w.trie.save(w.plain, 5, _with("ssm", _sparse())),
         InvalidArgument, r"runtime_state\['ssm'\]")
-    # [R63] (issue 44 items 4 and 6): runtime state that aliases the pools, or complex
+    # [R60] (issue 44 items 4 and 6): runtime state that aliases the pools, or complex
     add(r, "restore-into-another-checkpoint's-slot", lambda w: w.trie.restore(
         w.live, _slot_views(w.trie, 0)),
         InvalidArgument, r"runtime_state\['conv'\] overlaps the storage of the cache's "

@@ -242,7 +242,7 @@ def test_vllm_scheme_namespace_is_the_lora_name() -> None:
 def test_vllm_scheme_hashes_what_vllm_cannot_name_apart_in_its_own_layout(
     namespace: str, extra: Any
 ) -> None:
-    """[R70]: vLLM's extra keys of namespace "" with a str-first identity equal those of
+    """[R61]: vLLM's extra keys of namespace "" with a str-first identity equal those of
     namespace <that str> with the rest, and a scalar or empty identity gives the keys of
     another one. Such blocks hash [parent, tokens, namespace, identity] (four elements:
     no vLLM block's layout) and never equal the block vLLM would confuse them with."""

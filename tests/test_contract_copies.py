@@ -376,7 +376,7 @@ def test_a_copy_failed_while_its_earlier_copies_complete_never_completes() -> No
     assert out.tolist() == [0.0, 0.0]
 
 
-# ----------------------------------------- an interrupt after the copy was queued ([R62])
+# ----------------------------------------- an interrupt after the copy was queued ([R59])
 
 
 class _InterruptedEvent(_Event):
@@ -393,7 +393,7 @@ def test_an_interrupt_after_a_cuda_copy_was_queued_waits_the_stream_out_before_t
     """Issue 44 item 3. A restore of a partial checkpoint queues its copy on the
     side stream (the frozen tail -> the block the restore just allocated), then is
     interrupted before the copy's event is recorded. The [R38] undo frees that
-    block: before [R62] at once, while the queued copy would still write it
+    block: before [R59] at once, while the queued copy would still write it
     (another request's KV, once the block is handed out again). Now the stream is
     waited out first: the copy ran while the block was still the restore's."""
     from tests.helpers import empty_state, ssm_trie, state
@@ -439,7 +439,7 @@ def test_an_interrupt_after_a_cuda_copy_was_queued_waits_the_stream_out_before_t
 def test_an_interrupt_after_a_real_cuda_copy_was_queued_waits_for_the_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """[R62] on a real device: a restore interrupted between queuing its copy and
+    """[R59] on a real device: a restore interrupted between queuing its copy and
     recording the event returns only once the side stream has run the copy."""
     from cache import BlockTrie, CacheConfig
 

@@ -1,5 +1,5 @@
 """Contract details of `cache.stats.CacheStats`: `as_dict` and repr (mutation survivors),
-the recent window and `reset()` ([R90])."""
+the recent window and `reset()` ([R69])."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _trie(window: int = 1000) -> BlockTrie:
 
 
 def test_recent_hit_rate_covers_the_last_window_matches() -> None:
-    """[R90]: with `stats_window=2`, only the last two matches count."""
+    """[R69]: with `stats_window=2`, only the last two matches count."""
     trie = _trie(2)
     seq = trie.match([1, 2, 3])
     trie.allocate(seq, 3)
@@ -102,7 +102,7 @@ def test_abort_takes_its_match_out_of_the_window() -> None:
 
 
 def test_reset_zeroes_counters_and_a_later_abort_rolls_nothing_back() -> None:
-    """[R90]: a match made before `reset()` is not un-counted by its abort (no
+    """[R69]: a match made before `reset()` is not un-counted by its abort (no
     negative counters); one made after is."""
     trie = _trie()
     early = trie.match([1, 2, 3])
@@ -124,7 +124,7 @@ def test_stats_window_must_be_a_positive_int() -> None:
 
 
 def test_reset_covers_a_live_match_that_left_the_window() -> None:
-    """[R90]: a match pushed out of the window by one that was then aborted is still
+    """[R69]: a match pushed out of the window by one that was then aborted is still
     older than the reset: its abort rolls nothing back (no negative counters)."""
     trie = _trie(1)
     early = trie.match([1, 2, 3])

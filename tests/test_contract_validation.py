@@ -124,7 +124,7 @@ def test_a_failure_no_element_explains_is_still_invalid_type() -> None:
 
 def test_extra_tuple_keeps_none_and_tuples_of_identities_the_cache_owns() -> None:
     """None stays None; a list or tuple becomes a tuple of the same items; the
-    first item outside [R60]'s types is `InvalidType` naming its index, type and
+    first item outside [R57]'s types is `InvalidType` naming its index, type and
     value; a lone surrogate is `InvalidArgument` naming where."""
     assert extra_tuple(None) is None
     assert extra_tuple(["a", 1, None]) == ("a", 1, None)

@@ -142,7 +142,7 @@ class CacheVersusModel(RuleBasedStateMachine):
                 num_host_blocks=host,
                 host_write=host_write,
                 num_host_checkpoint_slots=host_slots,
-                stats_window=num_blocks - 2,  # small: matches fall out of it ([R90])
+                stats_window=num_blocks - 2,  # small: matches fall out of it ([R69])
             ),
             copies=self.manual,
         )
@@ -244,7 +244,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         extra: list[str | None] | None,
         salt: str | None = None,
     ) -> Any:
-        """`salt`: vLLM's cache_salt ([R91]), folded into block 0's identity."""
+        """`salt`: vLLM's cache_salt ([R70]), folded into block 0's identity."""
         pair = self._match(tokens, namespace, extra, cache_salt=salt)
         assert pair is not None
         return pair
@@ -267,7 +267,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         spans: list[tuple[int, int]],
         prefill: bool,
     ) -> Any:
-        """[R82], [R83]: a capped match and atomic spans (malformed ones too: both raise);
+        """[R64], [R65]: a capped match and atomic spans (malformed ones too: both raise);
         with `prefill`, the prompt is then computed and committed whatever the hit
         (max_hit=0: vLLM's prompt-logprobs request, deduplicated into the cache)."""
         pair = self._match(tokens, namespace, extra, max_hit_tokens=max_hit, atomic_spans=spans)
@@ -313,7 +313,7 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     @rule(seq=live, fraction=FRACTION, overshoot=st.integers(0, 1))
     def can_allocate_then_allocate(self, seq: Pair, fraction: float, overshoot: int) -> None:
-        """[R80], [R81]: the admission queries change nothing, agree with the model and
+        """[R62], [R63]: the admission queries change nothing, agree with the model and
         with each other, and `allocate` succeeds exactly when `can_allocate` said so
         (but for [R52]'s write-back stores that `ManualCopies` never finishes)."""
         reclaimable = self.cache.num_reclaimable_blocks
@@ -483,7 +483,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         fraction=FRACTION,
     )
     def drop_checkpoint(self, seq: Pair, where: str, fraction: float) -> None:
-        """[R86]: the engine releases a checkpoint of its sequence's prefix (lmdeploy's
+        """[R68]: the engine releases a checkpoint of its sequence's prefix (lmdeploy's
         rolling decode checkpoint); attention-only, both refuse."""
         step = self._step(seq.real, where, fraction)
         out = self.both(
@@ -558,7 +558,7 @@ class CacheVersusModel(RuleBasedStateMachine):
         keep: list[bool],
         unknown: bool,
     ) -> Any:
-        """[R84]: a router pins blocks by the hashes events published for a prompt's
+        """[R66]: a router pins blocks by the hashes events published for a prompt's
         blocks (some of them, maybe one no block has, maybe a repeat)."""
         size = self.block_size
         keys: list[tuple[tuple[int, ...], Any]] = []
@@ -583,7 +583,7 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     @rule(receipt=consumes(block_receipts))
     def unpin_blocks(self, receipt: Pair) -> None:
-        """[R85]: the pins go; what only they held is evictable again."""
+        """[R67]: the pins go; what only they held is evictable again."""
         assert isinstance(receipt.real, BlockPinReceipt)
         self.both(
             lambda: self.cache.unpin_blocks(receipt.real),
@@ -676,7 +676,7 @@ class CacheVersusModel(RuleBasedStateMachine):
 
     @rule()
     def reset_stats(self) -> None:
-        """`stats.reset()` ([R90]): counters restart; a later abort of an earlier
+        """`stats.reset()` ([R69]): counters restart; a later abort of an earlier
         match rolls nothing back."""
         self.cache.stats.reset()
         self.model.reset_stats()

@@ -895,7 +895,7 @@ def test_each_host_tier_step_refuses_a_node_in_the_wrong_state_naming_it() -> No
 
 
 def test_write_back_host_pressure_reclaims_a_duplicate_before_any_host_only_block() -> None:
-    """[R92]: with write-back, a full host tier gives up the host copy of a block still
+    """[R71]: with write-back, a full host tier gives up the host copy of a block still
     on the device (it is stored again if the device evicts it) rather than a
     host-only block, or rather than losing the block being written back."""
     trie, _ = host_trie(num_blocks=8, host_blocks=1, host_write="back")
@@ -918,7 +918,7 @@ def test_write_back_host_pressure_reclaims_a_duplicate_before_any_host_only_bloc
 
 
 def test_write_through_host_pressure_keeps_duplicates() -> None:
-    """[R92] applies to write-back only: with write-through a dropped host copy would
+    """[R71] applies to write-back only: with write-through a dropped host copy would
     be lost when the device evicts the block, so host eviction stays [R51]'s."""
     trie, _ = host_trie(num_blocks=8, host_blocks=1)
     serve(trie, [1, 1, 9])  # stored: mirrored, the host tier is full

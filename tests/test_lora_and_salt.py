@@ -1,4 +1,4 @@
-"""LoRA ids and cache salts as vLLM emits them ([R91]): `bind_lora` and
+"""LoRA ids and cache salts as vLLM emits them ([R70]): `bind_lora` and
 `match(..., cache_salt=)`, with block hashes checked against vLLM's scheme."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ TOKENS = list(range(10, 23))  # three full blocks and one token
     "extra", [None, [(("mm-1", 0),)], [(("mm-1", 0),), None, (("mm-2", 2),)], ["img"]]
 )
 def test_a_salted_requests_hashes_are_vllms(namespace: str, extra: Any) -> None:
-    """vLLM's hashes wherever vLLM's own layout names the block apart ([R70]). In the
+    """vLLM's hashes wherever vLLM's own layout names the block apart ([R61]). In the
     default namespace, a block 0 whose extra keys start with a str (the salt alone,
     or a str multimodal key) has vLLM's keys of a block of the LoRA named by that
     str: it is published in blocktrie's layout instead, so no two cached blocks
@@ -122,7 +122,7 @@ def test_a_bad_salt_is_refused_before_anything_changes() -> None:
     class Salt(str):
         pass
 
-    with pytest.raises(InvalidType, match="exactly"):  # [R60]: its __hash__ would run
+    with pytest.raises(InvalidType, match="exactly"):  # [R57]: its __hash__ would run
         trie.match(TOKENS, cache_salt=Salt("x"))
     with pytest.raises(InvalidArgument, match="cache_salt"):  # events encode it as UTF-8
         trie.match(TOKENS, cache_salt="\ud800")

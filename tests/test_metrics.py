@@ -78,7 +78,7 @@ def _exposition(registry: CollectorRegistry) -> str:
 
 def test_a_rolled_back_match_is_not_a_counter_reset_but_stats_reset_is() -> None:
     """`abort` lowers the stats ([R42]); the exported counter holds its high-water
-    mark instead of going down. `stats.reset()` ([R90]) restarts it from 0."""
+    mark instead of going down. `stats.reset()` ([R69]) restarts it from 0."""
     trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4))
     registry = CollectorRegistry()
     register(trie, registry)

@@ -1,13 +1,13 @@
 """Issue 44: the ways out of the documented model an audit found, each pinned by a
 test that failed before its fix.
 
-1. User code after validation ([R60]): identities and namespaces the cache cannot
+1. User code after validation ([R57]): identities and namespaces the cache cannot
    own are refused by `match`, before anything changes.
-2. Copy completion and failure from other threads ([R61]): recorded at once, applied
+2. Copy completion and failure from other threads ([R58]): recorded at once, applied
    by the owning thread; `check()` / `snapshot()` from a monitor thread are
    consistent or `ConcurrentUse`.
-3. An error after a copy was queued on a stream ([R62]): tests/test_contract_copies.py.
-4. Runtime state that aliases the pools ([R63]); the refusals themselves are rows of
+3. An error after a copy was queued on a stream ([R59]): tests/test_contract_copies.py.
+4. Runtime state that aliases the pools ([R60]); the refusals themselves are rows of
    the bad-input catalogue (tests/test_bad_inputs.py, "ranges-...").
 6. Complex runtime state (rows there too); a copy failed inside its own run.
 """
@@ -98,7 +98,7 @@ def _bad_identities() -> list[Any]:
 def test_an_identity_the_cache_cannot_own_is_refused_before_anything_changes(
     extra: tuple[Any, ...], error: type[CacheError]
 ) -> None:
-    """Before [R60] each of these was accepted by `match` and broke `commit` or
+    """Before [R57] each of these was accepted by `match` and broke `commit` or
     `evict` half-way (a plain TypeError / ValueError / RuntimeError after the clock
     ticked and a block was deduplicated, a leaked node row, a node out of the
     eviction index, a KeyError): now `match` refuses it, naming it, and the cache,
@@ -194,7 +194,7 @@ def _model_and_cache_refuse_alike(call: Callable[[Any], object]) -> None:
     ],
 )
 def test_the_reference_model_applies_the_same_rule(call: Callable[[Any], object]) -> None:
-    """[R60] is the model's rule too (the differential test compares error classes)."""
+    """[R57] is the model's rule too (the differential test compares error classes)."""
     _model_and_cache_refuse_alike(call)
 
 
@@ -227,7 +227,7 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 def test_a_failure_reported_from_another_thread_inside_match_waits_for_poll(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before [R61] the failure applied at once, between match finding the checkpoint
+    """Before [R58] the failure applied at once, between match finding the checkpoint
     matchable and pinning it: match raised `IllegalTransition` holding block
     references for good. Now it is recorded; match completes; poll applies it (the
     checkpoint is withdrawn, the restore refused) and every count adds up."""
@@ -405,7 +405,7 @@ def test_completions_and_failures_hammered_from_three_threads_keep_every_invaria
 
 
 def test_a_restore_into_another_checkpoints_slot_is_refused_and_that_checkpoint_kept() -> None:
-    """Before [R63] the restore was accepted and wrote one checkpoint's state over
+    """Before [R60] the restore was accepted and wrote one checkpoint's state over
     another's slot: the next request restoring that one got the wrong state."""
     trie, copies = ssm_trie()
     assert copies is not None
@@ -441,7 +441,7 @@ def test_a_restore_into_another_checkpoints_slot_is_refused_and_that_checkpoint_
 
 
 def test_disjoint_views_of_one_engine_buffer_are_fine_targets() -> None:
-    """[R63] compares the bytes each tensor spans, not whole storages: an engine
+    """[R60] compares the bytes each tensor spans, not whole storages: an engine
     that keeps every state of a request in one buffer restores into its views."""
     trie, _ = ssm_trie(manual=False)
     seq = _prefilled(trie, [1, 1, 1, 1, 2])

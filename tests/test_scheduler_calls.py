@@ -1,4 +1,4 @@
-"""The scheduler calls of issue 45 items 1-4 ([R80]-[R86]): admission queries, bounded
+"""The scheduler calls of issue 45 items 1-4 ([R62]-[R68]): admission queries, bounded
 matches, KV pins by event hash, and releasing a chosen checkpoint.
 
 The differential test (`tests/test_differential.py`) drives each call against the
@@ -31,7 +31,7 @@ from cache.block_hash import chain, root_hash, to_wire
 from cache.events import BlockRemoved
 from tests.helpers import frozen, kv_trie, serve, ssm_trie, state
 
-# ------------------------------------------------------------ admission ([R80], [R81])
+# ------------------------------------------------------------ admission ([R62], [R63])
 
 
 def test_reclaimable_counts_the_eviction_cascade_and_what_holders_keep() -> None:
@@ -99,7 +99,7 @@ def test_reclaimable_counts_unpinned_frozen_tails_not_pinned_checkpoints() -> No
     trie.check()
 
 
-# ------------------------------------------------------------ bounded matches ([R82], [R83])
+# ------------------------------------------------------------ bounded matches ([R64], [R65])
 
 PROMPT = [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5]  # four full blocks of 4 and one token
 
@@ -205,7 +205,7 @@ def test_malformed_bounds_are_refused_changing_nothing(
     assert frozen(trie.snapshot()) == before
 
 
-# ------------------------------------------------------------ block pins ([R84], [R85])
+# ------------------------------------------------------------ block pins ([R66], [R67])
 
 
 def _hashes(namespace: str, tokens: list[int], size: int = 4) -> list[int]:
@@ -300,7 +300,7 @@ def test_block_pins_need_events_and_well_formed_input() -> None:
         trie.unpin_blocks(other.pin_blocks([1]))
 
 
-# ------------------------------------------------------------ drop_checkpoint ([R86])
+# ------------------------------------------------------------ drop_checkpoint ([R68])
 
 
 def test_rolling_decode_checkpoint_drops_the_previous_one() -> None:

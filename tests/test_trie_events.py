@@ -110,7 +110,7 @@ def test_vllm_block_hashes_carry_the_namespace_as_the_lora_name_in_every_block()
 def test_two_cached_blocks_never_publish_one_hash(
     scheme: str, first: tuple[str, list[object] | None], second: tuple[str, list[object] | None]
 ) -> None:
-    """[R70]: blocks that differ in namespace or identity publish different hashes,
+    """[R61]: blocks that differ in namespace or identity publish different hashes,
     so a `BlockRemoved` of one never tells a router the other is gone."""
     trie = kv_trie(num_blocks=8, block_hash=scheme)
     for namespace, extra in (first, second):
