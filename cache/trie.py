@@ -43,13 +43,14 @@ the module that owns them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from cache import inspection
+from cache.attach import Attach
 from cache.block_pins import BlockPinReceipt, BlockPins, block_hashes_arg
-from cache.bounds import NO_SPANS, Spans, bounded_depth, hit_bounds
+from cache.bounds import NO_SPANS, Spans
 from cache.checkpointing import Checkpointing
 from cache.checkpoints import CheckpointStore
 from cache.completions import CompletionQueue
@@ -62,25 +63,19 @@ from cache.eviction import Evictor
 from cache.faults import Faults
 from cache.gate import Exclusive, concurrent_use
 from cache.host_tier import HostTier
-from cache.keys import request_keys, salted
+from cache.lookup import Lookup
 from cache.node import (
-    MANY,
-    NO_BLOCK,
-    NO_NODE,
-    Checkpoint,
     Node,
     state_code,
 )
 from cache.offload import Offload, refuse_unloaded
-from cache.sequence import PinReceipt, RestorePoint, Sequence, check_redeemable
+from cache.sequence import PinReceipt, Sequence, check_redeemable
 from cache.stats import CacheStats
 from cache.storage import allocate_storage
 from cache.transfers import Transfers
 from cache.validation import (
     TokenIds,
-    cache_salt_arg,
     extend_tokens,
-    extra_tuple,
     int_arg,
     namespace_arg,
     token_list,
@@ -131,7 +126,7 @@ class BlockTrie(TrieCounts):
         self._key_hash = config.key_hash
         self.faults = Faults()
         """Allocation-point fault injection, for tests of transactional behaviour."""
-        self.stats = CacheStats(config.stats_window, lambda: self._seq_serial)
+        self.stats = CacheStats(config.stats_window, lambda: self._lookup._seq_serial)
         """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
         storage = allocate_storage(config, self.device, self.faults)
         self._kv, self._slots, self._nodes = storage.kv, storage.slots, storage.nodes
@@ -173,8 +168,6 @@ class BlockTrie(TrieCounts):
         )
         self._roots: dict[str, Node] = {}
         self._clock = 0
-        self._node_serial = 0
-        self._seq_serial = 0
         self._live: dict[int, Sequence] = {}
         self._write_back = self._host is not None and config.host_write == "back"
         self._offload = Offload(
@@ -184,6 +177,14 @@ class BlockTrie(TrieCounts):
         self._checkpointing = Checkpointing(
             self, self._nodes, self._kv, self._slots, self._checkpoints, self._evictor,
             self._transfers, self._offload, self._roots, self.stats,
+        )  # fmt: skip
+        self._lookup = Lookup(
+            self, self._nodes, self._kv, self._host, self._evictor, self._checkpoints,
+            self._roots, self._live, self.stats,
+        )  # fmt: skip
+        self._attach = Attach(
+            self, self._nodes, self._kv, self._host, self._evictor, self._events,
+            self._block_pins, self._offload, self._roots, self._write_back,
         )  # fmt: skip
         self._explicit: dict[int, PinReceipt] = {}
         self._gate = threading.Lock()  # held while an operation runs ([R45])
@@ -244,59 +245,6 @@ class BlockTrie(TrieCounts):
             )
         return seq
 
-    def _root(self, namespace: str) -> Node:
-        """The namespace's root, created on first use ([R11])."""
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._nodes.new(
-                NO_NODE,
-                None,  # a root has no key and owns no block; its state is `root`
-                NO_BLOCK,
-                -1 - len(self._roots),
-                0,
-                self._events.root_hash(namespace),
-                _ROOT,
-                namespace,
-            )
-            self._roots[namespace] = root
-        return root
-
-    def _walk(self, root: Node, keys: list[Hashable], plain: bool) -> list[Node]:
-        """The nodes under `root` whose keys are `keys`' leading ones, in order ([R12]):
-        walks while a child with the exact key exists. `plain`: every key is bytes
-        (no extra identity, no injected key hash)."""
-        t = self._nodes
-        only_child = t.child
-        kids = t.kids
-        width = t.width
-        wide = t.wide
-        holds = t.tokens.startswith  # `holds(key, at, at + width)`: row's tokens == key
-        path: list[Node] = []
-        node = root
-        if plain and not wide:  # the usual case: every key and every node is bytes
-            for key in keys:
-                child = only_child[node]  # `NodeTable.child_of`, inlined
-                if child >= 0:
-                    at = child * width
-                    if not holds(key, at, at + width):  # type: ignore[arg-type]
-                        break
-                elif child == MANY:
-                    child = kids[node].get(key, NO_NODE)
-                    if child < 0:
-                        break
-                else:
-                    break
-                path.append(child)
-                node = child
-            return path
-        for key in keys:
-            child = t.child_of(node, key)
-            if child < 0:
-                break
-            path.append(child)
-            node = child
-        return path
-
     # ----------------------------------------------------------------- match
 
     def match(
@@ -331,83 +279,9 @@ class BlockTrie(TrieCounts):
         if not self._gate.acquire(False):
             raise self._concurrent_use("match()")
         try:
-            toks = token_list(tokens)
-            if not toks:
-                raise InvalidArgument("match: tokens must hold at least one token")
-            if type(namespace) is not str or not namespace.isascii():
-                namespace = namespace_arg(namespace)  # [R57]: refused unless exactly a str
-            ext = None if extra is None else extra_tuple(extra)  # [R57]: owned from here on
-            if cache_salt is not None:
-                salt = cache_salt_arg(cache_salt)  # [R57]
-                if salt:
-                    ext = salted(ext, salt)  # [R70]
-            bounded = max_hit_tokens is not None or atomic_spans is not NO_SPANS
-            cap, spans = hit_bounds(max_hit_tokens, atomic_spans) if bounded else (None, ())
-            size = self._block_size
-            keys = request_keys(toks, ext, size, self._key_hash, 0, len(toks) // size)
-            root = self._roots.get(namespace)
-            path: list[Node] = []
-            t = self._nodes
-            if root is not None:  # [R12]: walk while a child with the exact key exists
-                path = self._walk(root, keys, ext is None and self._key_hash is None)
-            usable = min(len(path), (len(toks) - 1) // size)
-            if bounded:  # [R64], [R65]; an SSM hit ends at a checkpoint: spans checked there
-                usable = bounded_depth(usable, size, cap, NO_SPANS if self._ssm else spans)
-            ck: Checkpoint | None = None
-            host_nodes: list[Node] = []
-            waits: list[Copy] = []
-            waiting = 0
-            if not self._ssm:
-                depth = usable
-                hit = usable * size
-                if self._host is not None:
-                    depth, host_nodes, waits, waiting = self._host.split(path, usable)
-                    if bounded and depth + len(host_nodes) < usable:  # a failed load cut it
-                        usable = bounded_depth(depth + len(host_nodes), size, cap, spans)
-                        depth, host_nodes, waits, waiting = self._host.split(path, usable)
-                    hit = (depth + len(host_nodes)) * size  # shorter past a failed load
-            else:
-                if root is not None and t.checkpoint:
-                    ck = CheckpointStore.deepest_match(
-                        t.checkpoint, root, path, toks, ext, usable, size, cap, spans
-                    )
-                depth = ck.step // size if ck is not None else 0
-                hit = ck.step if ck is not None else 0
-
-            self._seq_serial += 1
-            seq = Sequence(self, self._seq_serial, toks, namespace, ext)
-            seq.keys = keys
-            seq.branch_step = len(path) * size
-            held = path[:depth]
-            block = t.block
-            blocks = [block[node] for node in held]
-            self._kv.incref_all(blocks)
-            state = t.state
-            for node in held:
-                if state[node] == _EVICTABLE:
-                    self._evictor.settle(node)
-            seq.path = held
-            seq.blocks = blocks
-            if host_nodes or waits:  # [R50]
-                self._host.pin(host_nodes)  # type: ignore[union-attr]
-                seq.host_path = host_nodes
-                seq.loads = waits
-                seq.num_host_tokens = (len(host_nodes) + waiting) * size
-                self.stats.host_hit_tokens += seq.num_host_tokens
-            if ck is not None:
-                seq.match_receipt = self._checkpoints.pin(ck)
-                seq.restore = RestorePoint(ck)
-                self.stats.checkpoint_hits += 1
-            seq.num_cached_tokens = hit
-            seq.num_committed_tokens = hit
-            seq.query_tokens = len(toks)
-            stats = self.stats  # [R14]
-            stats.queries += 1
-            stats.query_tokens += len(toks)
-            stats.hit_tokens += hit
-            stats.recent.append((seq.serial, len(toks), hit))  # [R69]
-            self._live[seq.serial] = seq
-            return seq
+            return self._lookup.match(
+                tokens, namespace, extra, cache_salt, max_hit_tokens, atomic_spans
+            )
         finally:
             self._gate.release()
 
@@ -515,137 +389,9 @@ class BlockTrie(TrieCounts):
             raise self._concurrent_use("commit()")
         try:
             self._check_live(seq)
-            n = int_arg("num_tokens", num_tokens)
-            if seq.host_path or seq.load_failed:
-                refuse_unloaded("commit", seq)
-            size = self._block_size
-            covered = min(len(seq.token_list), len(seq.blocks) * size)
-            if not seq.num_committed_tokens <= n <= covered:
-                raise InvalidArgument(
-                    f"commit: num_tokens={n} must be in {seq.num_committed_tokens}..{covered} "
-                    f"(committed so far .. allocated and known tokens) for {seq!r}"
-                )
-            full = n // size
-            path = seq.path
-            start = len(path)
-            keys = seq.keys
-            if len(keys) < full:  # blocks completed by tokens appended after match
-                ext = seq.extra
-                keys.extend(
-                    request_keys(seq.token_list, ext, size, self._key_hash, len(keys), full)
-                )
-            host = self._host
-            if host is not None and start < full:
-                self._offload.check_loads_done(seq, keys, start, full)
-            self._clock += 1  # [R7]
-            tick = self._clock
-            if start >= full:
-                seq.num_committed_tokens = n
-                return
-            parent = path[-1] if path else self._root(seq.namespace)
-            plain = seq.extra is None and self._key_hash is None
-            kv = self._kv
-            t = self._nodes
-            only_child = t.child
-            block_of = t.block
-            tokens = t.tokens
-            width = t.width
-            wide = t.wide
-            stored: list[Node] = []
-            for i in range(start, full):
-                key = keys[i]
-                child = only_child[parent]  # `NodeTable.child_of`, inlined
-                if child >= 0:
-                    if wide and child in wide:
-                        if wide[child] != key:
-                            child = NO_NODE
-                    elif type(key) is not bytes or not tokens.startswith(
-                        key, child * width, child * width + width
-                    ):
-                        child = NO_NODE
-                elif child == MANY:
-                    child = t.kids[parent].get(key, NO_NODE)
-                if child < 0:  # [R19]: this block and every later one are new
-                    # (a new node has no children): hash them, then attach them as
-                    # one chain under `parent`
-                    events = self._events
-                    hashes = None
-                    parent_hash = 0
-                    if events.hasher is not None:  # events on (else `block_hash` is
-                        # a `Constant`, whose reads cost a Python call)
-                        parent_hash = t.block_hash[parent]
-                        hashes = events.chain_hashes(
-                            parent_hash, keys, i, full, plain, seq.namespace
-                        )
-                    stored = self._attach_chain(parent, keys, i, full, seq.blocks, tick, hashes)
-                    path.extend(stored)
-                    if hashes is not None:
-                        if self._block_pins.indexing:  # [R66]: findable by hash
-                            self._block_pins.added(seq.namespace, hashes, stored)
-                        under_root = t.is_root(parent)
-                        events.stored(
-                            None if under_root else parent_hash,
-                            hashes,
-                            keys,
-                            seq.blocks,
-                            i,
-                            full,
-                            size,
-                            seq.namespace,
-                        )
-                    break
-                if block_of[child] == NO_BLOCK:  # [R49]
-                    self._offload.adopt(child, seq.blocks[i], tick)
-                else:  # [R18]
-                    own = seq.blocks[i]
-                    cached = block_of[child]
-                    kv.incref(cached)
-                    seq.blocks[i] = cached
-                    kv.decref(own)
-                    self._evictor.settle(child)
-                    t.tick[child] = tick  # [R8]
-                path.append(child)
-                parent = child
-            seq.num_committed_tokens = n
-            if host is not None and stored and not self._write_back:
-                self._offload.store(stored)
+            self._attach.commit(seq, num_tokens)
         finally:
             self._gate.release()
-
-    def _attach_chain(
-        self,
-        parent: Node,
-        keys: list[Hashable],
-        start: int,
-        stop: int,
-        blocks: list[int],
-        tick: int,
-        hashes: list[int] | None,
-    ) -> list[Node]:
-        """Attach blocks `start..stop-1` of a commit (keys and blocks from the
-        request's) as a chain of new nodes under `parent`, each the only child of
-        the one before; returns them, parent first. Each takes the trie's
-        reference on its block and starts `cached` (the request holds its block).
-
-        No state changes: the parent is a root or on the committing sequence's
-        path (held, so `cached` or `pinned` with or without children).
-        """
-        chain = blocks[start:stop]
-        serial = self._node_serial
-        nodes = self._nodes.new_chain(
-            parent,
-            keys,
-            start,
-            chain,
-            serial + 1,
-            tick,
-            hashes,
-            _CACHED,
-        )
-        self._node_serial += stop - start
-        self._kv.incref_all(chain)  # held by the request: cannot fail
-        self._evictor.adopt_all(nodes, chain)
-        return nodes
 
     # ------------------------------------------------------- release / abort
 
