@@ -11,6 +11,9 @@ with its rules (docs/architecture.md, "Ownership map"):
 - `cache.eviction.Evictor`: node lifecycle states, the eviction index, making
   room;
 - `cache.checkpoints.CheckpointStore`: checkpoint lifecycle, pins, receipts;
+- `cache.lookup.Lookup`: what `match` finds and takes ([R12]-[R14]);
+- `cache.attach.Attach`: what `commit` attaches ([R18], [R19]), namespace
+  roots ([R11]);
 - `cache.transfers.Transfers`: copies until they are reaped, the copy engine;
 - `cache.checkpointing.Checkpointing`: what `save` and `restore` decide and
   queue ([R25]-[R34]);
@@ -30,14 +33,14 @@ included) holds the trie's gate while it runs; a second thread gets
 and failure may be reported from any thread: `cache.completions` records them
 for the owning thread, which applies them in `poll()` ([R58]).
 
-This module is longer than the ~400 lines the others keep to (about 960
-lines: 620 of code, 260 of docstrings, 100 blank or comments): it holds
-twenty-six public operations, the copy engine's property and
-`num_reclaimable_blocks` (a count that takes the gate). Each operation takes the
-gate and checks its sequence; `match`, `allocate`, `commit`, `release` and
-`evict`, the hot path, plan here over the parts (no call per block spent on
-reaching a plan elsewhere); `load`, `save` and `restore` hand their plans to
-the module that owns them.
+This module is longer than the ~400 lines the others keep to (about 700
+lines: 390 of code, 250 of docstrings, 90 blank or comments): it holds
+twenty-six public operations, their docstrings (the API reference), the copy
+engine's property and `num_reclaimable_blocks` (a count that takes the gate).
+Each operation takes the gate and checks its sequence; `allocate`, `release`
+and `evict` plan here over the parts; `match`, `commit`, `load`, `save` and
+`restore` hand theirs, with one call, to the module that owns them (one
+Python call per operation, never per block).
 """
 
 from __future__ import annotations
@@ -66,7 +69,6 @@ from cache.host_tier import HostTier
 from cache.lookup import Lookup
 from cache.node import (
     Node,
-    state_code,
 )
 from cache.offload import Offload, refuse_unloaded
 from cache.sequence import PinReceipt, Sequence, check_redeemable
@@ -87,12 +89,8 @@ from spec.errors import (
     InvalidType,
     SequenceNotLive,
 )
-from spec.lifecycle import CheckpointTrigger, NodeState
+from spec.lifecycle import CheckpointTrigger
 from spec.snapshot import Snapshot
-
-_EVICTABLE = state_code(NodeState.EVICTABLE.value)  # as `NodeTable.state` stores it
-_CACHED = NodeState.CACHED.value
-_ROOT = NodeState.ROOT.value
 
 
 class BlockTrie(TrieCounts):
