@@ -145,6 +145,7 @@ def test_atomic_spans_are_hit_whole_or_not_at_all() -> None:
         ([(6, 10), (9, 17)], 4),  # 16 cuts the second, 8 the first: 4
         ([(16, 17)], 16),  # a hit ending at a span's start takes none of it
         ([(1, 3), (3, 5)], 16),
+        ([(0, 18)], 0),  # a span from the first token that every hit would cut: none
     ]
     for spans, hit in cases:
         seq = trie.match(PROMPT, atomic_spans=spans)
