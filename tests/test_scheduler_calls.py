@@ -233,8 +233,9 @@ def test_pinned_blocks_survive_eviction_until_unpinned() -> None:
     seq = trie.match(PROMPT)
     assert seq.num_cached_tokens == 12
     trie.abort(seq)
+    assert repr(receipt) == "<BlockPinReceipt pinned=1>"
     trie.unpin_blocks(receipt)
-    assert receipt.used
+    assert receipt.used and repr(receipt) == "<BlockPinReceipt pinned=1 used>"
     with pytest.raises(PinError):
         trie.unpin_blocks(receipt)
     assert trie.evict(8) == 3
@@ -249,6 +250,8 @@ def test_block_pins_are_per_namespace_and_skip_what_is_not_cached() -> None:
     assert receipt.pinned == 4
     serve(trie, [7] * 8 + [1], namespace="lora-a")  # committed after the index was built
     assert trie.pin_blocks(_hashes("lora-a", [7] * 8), namespace="lora-a").pinned == 2
+    # the blocks indexed before those commits are still found (the index grew, not restarted)
+    assert trie.pin_blocks(_hashes("lora-a", PROMPT), namespace="lora-a").pinned == 4
     with pytest.raises(CacheError, match="block pins"):
         trie.clear()
     trie.check()
@@ -284,13 +287,13 @@ def test_block_pins_need_events_and_well_formed_input() -> None:
     with pytest.raises(ConfigError, match="enable_events"):
         kv_trie(enable_events=False).pin_blocks([1])
     trie = kv_trie()
-    for bad, error in (
-        ((1, "2"), InvalidType),
-        ([True], InvalidType),
-        ({1, 2}, InvalidType),
-        ([-1], InvalidArgument),
+    for bad, error, message in (
+        ((1, "2"), InvalidType, "got str"),
+        ([True], InvalidType, "got bool"),
+        ({1, 2}, InvalidType, "list or tuple of ints, got set"),
+        ([-1], InvalidArgument, "-1"),
     ):
-        with pytest.raises(error):
+        with pytest.raises(error, match=message):
             trie.pin_blocks(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidType):
         trie.pin_blocks([1], namespace=None)  # type: ignore[arg-type]
