@@ -499,6 +499,24 @@ def test_clear_refuses_while_an_explicit_pin_is_held() -> None:
     trie.check()
 
 
+def test_clear_refuses_while_a_sequence_is_live_with_no_copy_in_flight() -> None:
+    # A live sequence alone (synchronous copies: nothing in flight) must stop
+    # clear: `self._live and inflight` in its refusal would let it through.
+    trie = BlockTrie(CacheConfig(num_blocks=8, block_size=2))
+    seq = trie.match([1, 2, 3, 4, 5])
+    before = trie.snapshot()
+    message = (
+        "clear: 1 live sequences, 0 copies in flight, 0 explicit pins and 0 block pins "
+        "must be finished first"
+    )
+    with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
+        trie.clear()
+    assert trie.snapshot() == before
+    trie.release(seq)
+    trie.clear()
+    trie.check()
+
+
 def test_clear_counts_a_root_checkpoint_on_top_of_earlier_evictions() -> None:
     trie, _ = ssm_trie(manual=False)
     seq = _ssm_prefill(trie, SSM_PROMPT)
