@@ -477,6 +477,15 @@ def test_a_save_at_the_same_step_with_another_tail_replaces_and_each_duplicate_c
 # --------------------------------------------------------------------- clear ([R22])
 
 
+def _clear_refused(trie: BlockTrie, counts: str) -> None:
+    """`clear()` raises its `CacheError` naming `counts` and changes nothing."""
+    before = trie.snapshot()
+    message = f"clear: {counts} and 0 block pins must be finished first"
+    with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
+        trie.clear()
+    assert trie.snapshot() == before
+
+
 def test_clear_refuses_while_an_explicit_pin_is_held() -> None:
     trie, _ = ssm_trie(manual=False)
     seq = _ssm_prefill(trie, SSM_PROMPT)
@@ -485,17 +494,21 @@ def test_clear_refuses_while_an_explicit_pin_is_held() -> None:
     hit = trie.match([*SSM_PROMPT[:8], 9])
     receipt = trie.pin(hit)
     trie.release(hit)
-    before = trie.snapshot()
-    message = (
-        "clear: 0 live sequences, 0 copies in flight, 1 explicit pins and 0 block pins "
-        "must be finished first"
-    )
-    with pytest.raises(CacheError, match=f"^{re.escape(message)}$"):
-        trie.clear()
-    assert trie.snapshot() == before
+    _clear_refused(trie, "0 live sequences, 0 copies in flight, 1 explicit pins")
     trie.unpin(receipt)
     trie.clear()
     assert trie.snapshot()["checkpoints"] == {}
+    trie.check()
+
+
+def test_clear_refuses_while_a_sequence_is_live_with_no_copy_in_flight() -> None:
+    # A live sequence alone (synchronous copies: nothing in flight) must stop
+    # clear: `self._live and inflight` in its refusal would let it through.
+    trie = BlockTrie(CacheConfig(num_blocks=8, block_size=2))
+    seq = trie.match([1, 2, 3, 4, 5])
+    _clear_refused(trie, "1 live sequences, 0 copies in flight, 0 explicit pins")
+    trie.release(seq)
+    trie.clear()
     trie.check()
 
 
