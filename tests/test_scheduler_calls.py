@@ -182,26 +182,26 @@ def test_ssm_hit_is_a_checkpoint_at_or_below_the_cap_outside_every_span() -> Non
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error"),
+    ("kwargs", "error", "message"),
     [
-        ({"max_hit_tokens": -1}, InvalidArgument),
-        ({"max_hit_tokens": True}, InvalidType),
-        ({"max_hit_tokens": 2.0}, InvalidType),
-        ({"atomic_spans": [(3, 3)]}, InvalidArgument),
-        ({"atomic_spans": [(-1, 3)]}, InvalidArgument),
-        ({"atomic_spans": [(1, 2, 3)]}, InvalidType),
-        ({"atomic_spans": [(1.0, 2)]}, InvalidType),
-        ({"atomic_spans": "0-4"}, InvalidType),
-        ({"atomic_spans": [(0, 4), None]}, InvalidType),
+        ({"max_hit_tokens": -1}, InvalidArgument, r"max_hit_tokens must be >= 0, got -1$"),
+        ({"max_hit_tokens": True}, InvalidType, r"None or an int, got bool$"),
+        ({"max_hit_tokens": 2.0}, InvalidType, r"None or an int, got float$"),
+        ({"atomic_spans": [(3, 3)]}, InvalidArgument, r"\[0\] must have 0 <= start < end"),
+        ({"atomic_spans": [(-1, 3)]}, InvalidArgument, r"got \(-1, 3\)$"),
+        ({"atomic_spans": [(1, 2, 3)]}, InvalidType, r"\[0\] must be a \(start, end\) pair"),
+        ({"atomic_spans": [(1.0, 2)]}, InvalidType, r"must hold ints, got float in \(1.0, 2\)$"),
+        ({"atomic_spans": "0-4"}, InvalidType, r"\(start, end\) pairs, got str$"),
+        ({"atomic_spans": [(0, 4), None]}, InvalidType, r"atomic_spans\[1\] .* got None$"),
     ],
 )
 def test_malformed_bounds_are_refused_changing_nothing(
-    kwargs: dict[str, Any], error: type[Exception]
+    kwargs: dict[str, Any], error: type[Exception], message: str
 ) -> None:
     trie = kv_trie()
     serve(trie, PROMPT)
     before = frozen(trie.snapshot())
-    with pytest.raises(error):
+    with pytest.raises(error, match=message):
         trie.match(PROMPT, namespace="fresh", **kwargs)
     assert frozen(trie.snapshot()) == before
 
