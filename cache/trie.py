@@ -226,8 +226,6 @@ class BlockTrie(TrieCounts):
 
     # ---------------------------------------------------------------- helpers
 
-    _concurrent_use = staticmethod(concurrent_use)  # the gate's error ([R45], `cache.gate`)
-
     def _check_live(self, seq: object) -> Sequence:
         """`seq` itself, if this trie's registry holds it as live ([R3])."""
         if not isinstance(seq, Sequence):
@@ -275,7 +273,7 @@ class BlockTrie(TrieCounts):
         (invariant 8).
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("match()")
+            raise concurrent_use("match()")
         try:
             return self._lookup.match(
                 tokens, namespace, extra, cache_salt, max_hit_tokens, atomic_spans
@@ -288,7 +286,7 @@ class BlockTrie(TrieCounts):
     def append(self, seq: Sequence, tokens: TokenIds) -> None:
         """Extend `seq.tokens` (decode) ([R4]). Raises `SequenceNotLive` for a dead sequence."""
         if not self._gate.acquire(False):
-            raise self._concurrent_use("append()")
+            raise concurrent_use("append()")
         try:
             self._check_live(seq)
             seq.token_list = extend_tokens(seq.token_list, token_list(tokens))
@@ -303,7 +301,7 @@ class BlockTrie(TrieCounts):
         evicted nothing ([R16]). Keeps invariants 1, 3 and 9.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("allocate()")
+            raise concurrent_use("allocate()")
         try:
             need = self._blocks_needed("allocate", seq, num_tokens)
             if seq.host_path or seq.load_failed:
@@ -339,7 +337,7 @@ class BlockTrie(TrieCounts):
         stores `allocate` queues have finished.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("can_allocate()")
+            raise concurrent_use("can_allocate()")
         try:
             need = self._blocks_needed("can_allocate", seq, num_tokens)
             if seq.host_path or seq.load_failed:
@@ -365,7 +363,7 @@ class BlockTrie(TrieCounts):
         failed.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("load()")
+            raise concurrent_use("load()")
         try:
             self._check_live(seq)
             return self._offload.load(seq)
@@ -384,7 +382,7 @@ class BlockTrie(TrieCounts):
         Keeps invariants 1, 4, 5 and 10.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("commit()")
+            raise concurrent_use("commit()")
         try:
             self._check_live(seq)
             self._attach.commit(seq, num_tokens)
@@ -399,7 +397,7 @@ class BlockTrie(TrieCounts):
         Raises `SequenceNotLive` for a sequence already released or aborted.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("release()")
+            raise concurrent_use("release()")
         try:
             self._check_live(seq)
             self._clock += 1
@@ -456,7 +454,7 @@ class BlockTrie(TrieCounts):
         (invariant 3). Raises `InvalidArgument` for a negative count.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("evict()")
+            raise concurrent_use("evict()")
         try:
             n = int_arg("num_blocks", num_blocks)
             if n < 0:
@@ -550,7 +548,7 @@ class BlockTrie(TrieCounts):
         2 and 7; a copy that fails is undone ([R38]).
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("save()")
+            raise concurrent_use("save()")
         try:
             self._check_live(seq)
             return self._checkpointing.save(seq, step, runtime_state)
@@ -567,7 +565,7 @@ class BlockTrie(TrieCounts):
         already committed; `OutOfBlocks` when a private block cannot be found.
         """
         if not self._gate.acquire(False):
-            raise self._concurrent_use("restore()")
+            raise concurrent_use("restore()")
         try:
             self._check_live(seq)
             return self._checkpointing.restore(seq, runtime_state)
