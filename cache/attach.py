@@ -20,10 +20,10 @@ from cache.eviction import Evictor
 from cache.host_tier import HostTier
 from cache.keys import request_keys
 from cache.kv_pool import KVBlockPool
-from cache.node import MANY, NO_BLOCK, NO_NODE, Node, NodeTable
+from cache.node import MANY, NO_BLOCK, NO_NODE, Node, NodeTable, state_code
 from cache.offload import Offload, refuse_unloaded
 from cache.sequence import Sequence
-from cache.validation import int_arg
+from cache.validation import U32, int_arg
 from spec.errors import InvalidArgument
 from spec.lifecycle import NodeState
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from cache.trie import BlockTrie
 
 _CACHED = NodeState.CACHED.value
+_CACHED_CODE = state_code(_CACHED)
 _ROOT = NodeState.ROOT.value
 
 
@@ -68,8 +69,17 @@ class Attach:
         self._roots = roots
         self._write_back = write_back
         self._node_serial = 0
+        self.fast = None
+        """The native core's `FastAttach` (the whole of `BlockTrie.commit` for the usual
+        commit), when the trie runs it without a host tier, events or key hash."""
+        native = kv.native
+        if native is not None and host is None and not events.enabled and self._key_hash is None:
+            self.fast = native.FastAttach(
+                nodes, kv.refs, kv._free, evictor.owner, Sequence, U32, self._block_size,
+                _CACHED_CODE,
+            )  # fmt: skip
 
-    def root(self, namespace: str) -> Node:
+    def namespace_root(self, namespace: str) -> Node:
         """The namespace's root, created on first use ([R11])."""
         root = self._roots.get(namespace)
         if root is None:
@@ -113,7 +123,7 @@ class Attach:
         if start >= full:
             seq.num_committed_tokens = n
             return
-        parent = path[-1] if path else self.root(seq.namespace)
+        parent = path[-1] if path else self.namespace_root(seq.namespace)
         plain = seq.extra is None and self._key_hash is None
         kv = self._kv
         t = self._nodes
@@ -199,6 +209,24 @@ class Attach:
         """
         chain = blocks[start:stop]
         serial = self._node_serial
+        t = self._nodes
+        native = self._kv.native
+        if native is not None and (hashes is None or len(hashes) == len(chain)):
+            # [R19] one native call: the rows, their trie references and owners (None
+            # when a key is not plain bytes: then the Python path below)
+            rows: list[Node] | None = native.attach_chain(
+                t, parent, keys, start, chain, serial + 1, tick, _CACHED_CODE,
+                self._evictor.owner, self._kv.refs,
+            )  # fmt: skip
+            if rows is not None:
+                if hashes is not None:
+                    block_hash = t.block_hash
+                    for j, node in enumerate(rows):
+                        block_hash[node] = hashes[j]
+                t.attach_child(parent, keys[start], rows[0])
+                self._node_serial += stop - start
+                self._evictor.num_cached += len(rows)
+                return rows
         nodes = self._nodes.new_chain(
             parent,
             keys,

@@ -54,7 +54,7 @@ class Checkpointing:
         roots: dict[str, Node],
         stats: CacheStats,
     ) -> None:
-        self._trie = trie  # its logical clock and `_attach.root`
+        self._trie = trie  # its logical clock and `_attach.namespace_root`
         self._ssm = trie.config.ssm
         self._block_size = trie.config.block_size
         self._nodes = nodes
@@ -133,7 +133,7 @@ class Checkpointing:
 
         new_root = anchor is None
         if anchor is None:  # created only now that nothing can fail ([R6], [R11])
-            anchor = self._trie._attach.root(seq.namespace)
+            anchor = self._trie._attach.namespace_root(seq.namespace)
         if old is not None:
             self._checkpoints.replace(old, reuse_frozen)
         self._trie._clock += 1  # [R31]

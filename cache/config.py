@@ -15,6 +15,9 @@ from cache.block_hash import SCHEMES
 from cache.stats import DEFAULT_STATS_WINDOW
 from spec.errors import ConfigError
 
+BACKENDS = ("auto", "native", "python")
+"""`CacheConfig.backend` values (`cache.native` resolves them)."""
+
 KeyHash = Callable[[Hashable], int]
 """Hash used to narrow a child lookup; exact key comparison always decides."""
 
@@ -120,6 +123,11 @@ class CacheConfig:
       ([R53]-[R56], docs/host-tier.md).
     - `stats_window`: how many requests (matches) `stats.recent_hit_rate` looks
       back over (an int > 0, default 1000 as vLLM's `CachingMetrics`; [R69]).
+    - `backend`: which core runs the trie: "auto" (the default: the native core
+      when its extension imports, else the Python core, with one
+      `NativeUnavailableWarning`), "native" (`ConfigError` when unavailable) or
+      "python". The environment variable `BLOCKTRIE_BACKEND` overrides it;
+      `BlockTrie.backend` says which runs (`cache.native`). Both behave alike.
     - `key_hash`: testing hook; replaces the hash of every block key (a
       degenerate one makes every lookup collide; results must not change).
 
@@ -145,8 +153,13 @@ class CacheConfig:
     host_write: str = "through"
     num_host_checkpoint_slots: int = 0
     stats_window: int = DEFAULT_STATS_WINDOW
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                f"CacheConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
         _positive_int("block_size", self.block_size)
         _positive_int("num_blocks", self.num_blocks, limit=MAX_POOL_ENTRIES)
         _positive_int(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from cache.event_log import EventLog
@@ -106,6 +107,7 @@ class Evictor:
     __slots__ = (
         "_events",
         "_kv",
+        "_native",
         "_stats",
         "checkpoints",
         "host",
@@ -127,6 +129,7 @@ class Evictor:
         stats: CacheStats,
         events: EventLog,
         host: HostTier | None = None,
+        native: ModuleType | None = None,
     ) -> None:
         self.nodes = nodes
         """The trie's nodes (`cache.node.NodeTable`)."""
@@ -136,7 +139,14 @@ class Evictor:
         self.checkpoints = checkpoints
         self.host = host
         """The host tier, or None (then no node is ever offloaded)."""
-        self.index: LRUIndex[Node] = LRUIndex(nodes.tick.__getitem__, nodes.serial.__getitem__)
+        self._native = native
+        # The native core's `NodeLRU` has `LRUIndex`'s API and order ([R10]); the
+        # native make-room loop (`_evict`) works on it directly.
+        self.index: LRUIndex[Node] = (
+            native.NodeLRU(nodes.tick, nodes.serial)
+            if native is not None
+            else LRUIndex(nodes.tick.__getitem__, nodes.serial.__getitem__)
+        )
         self.owner = array("i", [NO_NODE]) * kv.capacity
         """Device block -> the node owning it (`NO_NODE` when none)."""
         self.num_cached = 0
@@ -295,6 +305,15 @@ class Evictor:
         # for the node the step frees and its parent, with their checks; a fact
         # the inlined form does not cover goes to the method, which decides it.
         inline = not tiered and not t.checkpoint
+        if inline and self._native is not None:  # the same loop, as one native call
+            removed = None
+            if removed_hashes is not None:
+                removed = (removed_hashes, removed_blocks, removed_spaces)
+            freed = self._native.evict_inline(n, index, self, t, self._kv, removed, _SETTLED)
+            if removed_hashes:
+                self._events.removed(removed_hashes, removed_blocks, removed_spaces)
+            self._stats.evicted_blocks += freed
+            return freed, 0
         child = t.child
         blocks = t.block
         owner = self.owner

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from types import ModuleType
 
 import torch
 
@@ -27,7 +28,16 @@ class KVBlockPool:
     page-locked memory when the device is CUDA so copies can be asynchronous).
     """
 
-    __slots__ = ("_fault_point", "_faults", "_free", "capacity", "name", "refs", "tensor")
+    __slots__ = (
+        "_fault_point",
+        "_faults",
+        "_free",
+        "capacity",
+        "name",
+        "native",
+        "refs",
+        "tensor",
+    )
 
     def __init__(
         self,
@@ -61,6 +71,9 @@ class KVBlockPool:
         # (4 bytes a block, no `int` object per free block).
         self._free = array("i", range(num_blocks - 1, -1, -1))
         self._faults = faults
+        self.native: ModuleType | None = None
+        """The native core (`cache.native`) when the trie runs it: the per-block loops
+        of `take`, `incref_all` and `decref_all` are its kernels then."""
 
     @property
     def num_free(self) -> int:
@@ -84,6 +97,8 @@ class KVBlockPool:
         if n > len(self._free):
             raise OutOfBlocks(f"{self.name} pool: {n} blocks wanted, {len(self._free)} free")
         free = self._free
+        if self.native is not None:
+            return self.native.take(self.refs, free, n)  # type: ignore[no-any-return]
         taken = free[len(free) - n :].tolist()
         del free[len(free) - n :]
         taken.reverse()
@@ -113,6 +128,12 @@ class KVBlockPool:
     def incref_all(self, blocks: list[int]) -> None:
         """`incref` each of `blocks`, in one call; all or nothing."""
         refs = self.refs
+        if self.native is not None and type(blocks) is list:
+            bad = self.native.incref_all(refs, blocks)
+            if bad >= 0:
+                why = "is free; cannot take a reference to it"
+                raise CacheError(self._refusal(blocks[bad], why))
+            return
         for i, block in enumerate(blocks):
             if refs[block] <= 0:
                 for done in blocks[:i]:
@@ -123,6 +144,11 @@ class KVBlockPool:
     def decref_all(self, blocks: list[int]) -> None:
         """`decref` each of `blocks`, in one call; all or nothing."""
         refs = self.refs
+        if self.native is not None and type(blocks) is list:
+            bad = self.native.decref_all(refs, self._free, blocks)
+            if bad >= 0:
+                raise CacheError(self._refusal(blocks[bad], "is already free (double free)"))
+            return
         free = self._free
         for i, block in enumerate(blocks):
             count = refs[block]

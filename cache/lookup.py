@@ -11,6 +11,7 @@ over the node table's columns: this is the hot path, one loop step per block.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from cache.node import MANY, NO_NODE, Checkpoint, Node, NodeTable, state_code
 from cache.sequence import RestorePoint, Sequence
 from cache.stats import CacheStats
 from cache.validation import (
+    U32,
     TokenIds,
     cache_salt_arg,
     extra_tuple,
@@ -73,6 +75,14 @@ class Lookup:
         self._live = live
         self.stats = stats
         self._seq_serial = 0
+        self._native = kv.native  # the native core's kernels, when the trie runs it
+        self.fast = None
+        """The native core's `FastLookup` (the whole of `match` for the usual request,
+        else None), when the trie runs it without a host tier or SSM."""
+        if self._native is not None and host is None and not self._ssm and self._key_hash is None:
+            self.fast = self._native.FastLookup(
+                nodes, kv.refs, roots, Sequence, array, U32, self._block_size
+            )
 
     def match(
         self,
@@ -84,6 +94,21 @@ class Lookup:
         atomic_spans: Spans | list[tuple[int, int]],
     ) -> Sequence:
         """`BlockTrie.match` past its lock: the live `Sequence` of the request's hit."""
+        fast = self.fast
+        if (
+            fast is not None
+            and extra is None
+            and cache_salt is None
+            and max_hit_tokens is None
+            and atomic_spans is NO_SPANS
+        ):
+            seq = fast.match(
+                tokens, namespace, self._trie, self.stats, self._live, self._evictor,
+                self._seq_serial + 1,
+            )  # fmt: skip
+            if seq is not None:
+                self._seq_serial += 1
+                return seq  # type: ignore[no-any-return]
         toks = token_list(tokens)
         if not toks:
             raise InvalidArgument("match: tokens must hold at least one token")
@@ -132,13 +157,18 @@ class Lookup:
         seq.keys = keys
         seq.branch_step = len(path) * size
         held = path[:depth]
-        block = t.block
-        blocks = [block[node] for node in held]
-        self._kv.incref_all(blocks)
-        state = t.state
-        for node in held:
-            if state[node] == _EVICTABLE:
+        if self._native is not None:
+            blocks, idle = self._native.hold_path(held, t.block, t.state, self._kv.refs)
+            for node in idle:
                 self._evictor.settle(node)
+        else:
+            block = t.block
+            blocks = [block[node] for node in held]
+            self._kv.incref_all(blocks)
+            state = t.state
+            for node in held:
+                if state[node] == _EVICTABLE:
+                    self._evictor.settle(node)
         seq.path = held
         seq.blocks = blocks
         if host_nodes or waits:  # [R50]
@@ -175,6 +205,8 @@ class Lookup:
         path: list[Node] = []
         node = root
         if plain and not wide:  # the usual case: every key and every node is bytes
+            if self._native is not None:
+                return self._native.walk(keys, root, only_child, t.tokens, kids, width)  # type: ignore[no-any-return]
             for key in keys:
                 child = only_child[node]  # `NodeTable.child_of`, inlined
                 if child >= 0:

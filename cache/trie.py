@@ -67,6 +67,7 @@ from cache.faults import Faults
 from cache.gate import Exclusive, concurrent_use
 from cache.host_tier import HostTier
 from cache.lookup import Lookup
+from cache.native import native_module, resolve_backend
 from cache.node import (
     Node,
 )
@@ -126,8 +127,13 @@ class BlockTrie(TrieCounts):
         """Allocation-point fault injection, for tests of transactional behaviour."""
         self.stats = CacheStats(config.stats_window, lambda: self._lookup._seq_serial)
         """Running counters: hits, evictions, checkpoints, copies (`CacheStats`)."""
+        self.backend = resolve_backend(config.backend)
+        """Which core runs this trie: "native" (the kernels of `cache._native`) or
+        "python" (`CacheConfig.backend`, `BLOCKTRIE_BACKEND`; `cache.native`)."""
+        native = native_module() if self.backend == "native" else None
         storage = allocate_storage(config, self.device, self.faults)
         self._kv, self._slots, self._nodes = storage.kv, storage.slots, storage.nodes
+        self._kv.native = native
         self._host_pool, self._host_slots = storage.host_kv, storage.host_slots
         engine: CopyEngine = copies if copies is not None else DeviceCopies()
         engine.bind(self.device)
@@ -149,7 +155,7 @@ class BlockTrie(TrieCounts):
                 duplicates_first=config.host_write == "back",  # [R71]
             )
         self._evictor = Evictor(
-            self._nodes, self._kv, self._checkpoints, self.stats, self._events, self._host
+            self._nodes, self._kv, self._checkpoints, self.stats, self._events, self._host, native
         )
         if self._host is not None:
             self._host.bind(self._evictor)
@@ -384,8 +390,12 @@ class BlockTrie(TrieCounts):
         if not self._gate.acquire(False):
             raise concurrent_use("commit()")
         try:
-            self._check_live(seq)
-            self._attach.commit(seq, num_tokens)
+            fast = self._attach.fast  # the native core's, when it runs: one call
+            if fast is None or not fast.commit(
+                seq, num_tokens, self, self._live, self._evictor, self._attach
+            ):
+                self._check_live(seq)
+                self._attach.commit(seq, num_tokens)
         finally:
             self._gate.release()
 
@@ -403,8 +413,11 @@ class BlockTrie(TrieCounts):
             self._clock += 1
             tick = self._clock
             ticks = self._nodes.tick
-            for node in seq.path:
-                ticks[node] = tick  # [R8]; held by seq, so in no index while it changes
+            if self._kv.native is not None:
+                self._kv.native.set_ticks(ticks, seq.path, tick)  # [R8], as below
+            else:
+                for node in seq.path:
+                    ticks[node] = tick  # [R8]; held by seq, so in no index while it changes
             self._drop(seq)
         finally:
             self._gate.release()

@@ -1,9 +1,85 @@
-// cache._native: the native core's bindings (issue 47). Skeleton: kernels land here.
+// cache._native: the native core's bindings (issue 47). `cache.native` configures it
+// with the spec's tables at import and the Python core calls one kernel per
+// operation's per-block loop; every kernel's Python twin stays the reference.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "attach.hpp"
+#include "eviction.hpp"
+#include "kv_pool.hpp"
+#include "lookup.hpp"
+#include "lru.hpp"
+#include "node_table.hpp"
+#include "spec_tables.hpp"
 
 namespace nb = nanobind;
+using namespace blocktrie;
 
 NB_MODULE(_native, m) {
-    m.doc() = "blocktrie's native core";
+    m.doc() = "blocktrie's native core: the hot loops over the node table's columns";
     m.attr("ABI") = 1;
+
+    m.def("configure", &configure, nb::arg("root_code"), nb::arg("evictable_code"), nb::arg("freed_from"),
+          nb::arg("no_node"), nb::arg("no_child"), nb::arg("many"), nb::arg("no_block"),
+          "Hand over the spec's tables (state codes, the NODE table's `free` row) and the "
+          "node table's sentinels; every kernel refuses to run before this.");
+    m.def("configured", []() { return tables().configured; });
+    m.def("tables", []() {
+        const SpecTables& t = spec();
+        nb::dict freed;
+        for (size_t code = 0; code < t.freed_from.size(); ++code) {
+            if (t.freed_from[code] >= 0) freed[nb::int_(code)] = t.freed_from[code];
+        }
+        return nb::make_tuple(t.root, t.evictable, freed);
+    }, "(root code, evictable code, the `free` row) as configured");
+
+    nb::class_<NodeLRU>(m, "NodeLRU",
+                        "The eviction index of one trie's nodes by (tick, serial): "
+                        "cache.lru.LRUIndex's API over node ids.")
+        .def(nb::init<nb::object, nb::object>(), nb::arg("ticks"), nb::arg("serials"))
+        .def("__len__", &NodeLRU::size)
+        .def("__bool__", [](const NodeLRU& l) { return l.size() > 0; })
+        .def("__contains__", [](const NodeLRU& l, nb::handle node) {
+            return PyLong_Check(node.ptr()) && l.contains(nb::cast<int64_t>(node));
+        })
+        .def("__iter__", [](const NodeLRU& l) { return nb::iter(nb::cast(l.ordered())); })
+        .def("unordered", [](const NodeLRU& l) { return nb::iter(nb::cast(l.unordered())); })
+        .def("add", &NodeLRU::add, nb::arg("member"))
+        .def("remove",
+             [](NodeLRU& l, int32_t node) {
+                 if (!l.discard(node)) throw nb::key_error(std::to_string(node).c_str());
+             },
+             nb::arg("member"))
+        .def("oldest", [](const NodeLRU& l) { return l.top().node; });
+
+    nb::class_<FastLookup>(m, "FastLookup",
+                           "Lookup.match in one call for the usual request (else None).")
+        .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object, size_t>(),
+             nb::arg("table"), nb::arg("refs"), nb::arg("roots"), nb::arg("sequence_type"),
+             nb::arg("array_type"), nb::arg("typecode"), nb::arg("block_size"))
+        .def("match", &FastLookup::match, nb::arg("tokens"), nb::arg("namespace"), nb::arg("trie"),
+             nb::arg("stats"), nb::arg("live"), nb::arg("evictor"), nb::arg("serial"));
+
+    nb::class_<FastAttach>(m, "FastAttach",
+                           "BlockTrie.commit in one call for the usual commit (else False).")
+        .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object, size_t, int>(),
+             nb::arg("table"), nb::arg("refs"), nb::arg("free_list"), nb::arg("owner"),
+             nb::arg("sequence_type"), nb::arg("typecode"), nb::arg("block_size"),
+             nb::arg("cached_code"))
+        .def("commit", &FastAttach::commit, nb::arg("seq"), nb::arg("num_tokens"), nb::arg("trie"),
+             nb::arg("live"), nb::arg("evictor"), nb::arg("attach"));
+
+    m.def("incref_all", &incref_all, nb::arg("refs"), nb::arg("blocks"));
+    m.def("decref_all", &decref_all, nb::arg("refs"), nb::arg("free_list"), nb::arg("blocks"));
+    m.def("take", &take, nb::arg("refs"), nb::arg("free_list"), nb::arg("count"));
+    m.def("walk", &walk, nb::arg("keys"), nb::arg("start_node"), nb::arg("child"), nb::arg("tokens"),
+          nb::arg("kids"), nb::arg("width"));
+    m.def("hold_path", &hold_path, nb::arg("held"), nb::arg("block"), nb::arg("state"),
+          nb::arg("refs"));
+    m.def("set_ticks", &set_ticks, nb::arg("ticks"), nb::arg("path"), nb::arg("tick"));
+    m.def("attach_chain", &attach_chain, nb::arg("table"), nb::arg("parent"), nb::arg("keys"),
+          nb::arg("start"), nb::arg("blocks"), nb::arg("serial"), nb::arg("tick"), nb::arg("code"),
+          nb::arg("owner"), nb::arg("refs"));
+    m.def("evict_inline", &evict_inline, nb::arg("n"), nb::arg("index"), nb::arg("evictor"),
+          nb::arg("table"), nb::arg("kv"), nb::arg("removed").none(), nb::arg("settled"));
 }

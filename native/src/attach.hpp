@@ -1,0 +1,195 @@
+// `BlockTrie.commit` past its gate in one native call, for the usual commit
+// (cache/attach.py `Attach.commit`, the reference this mirrors step by step): a
+// trie without a host tier, events or an injected key hash, a live sequence with no
+// extra identity whose token ids are uint32. Anything else returns False before
+// anything changed, and the Python core runs the commit.
+#pragma once
+
+#include "columns.hpp"
+#include "node_table.hpp"
+#include "spec_tables.hpp"
+
+namespace blocktrie {
+
+class FastAttach {
+public:
+    FastAttach(nb::object table, nb::object refs, nb::object free_list, nb::object owner,
+               nb::object sequence_type, nb::object typecode, size_t block_size, int cached_code)
+        : table_(std::move(table)), child_(table_.attr("child")), tokens_(table_.attr("tokens")),
+          block_(table_.attr("block")), tick_(table_.attr("tick")), kids_(table_.attr("kids")),
+          wide_(table_.attr("wide")), refs_(std::move(refs)), free_(std::move(free_list)),
+          owner_(std::move(owner)), sequence_type_(std::move(sequence_type)),
+          typecode_(std::move(typecode)), width_(nb::cast<size_t>(table_.attr("width"))),
+          block_size_(block_size), cached_code_(cached_code) {}
+
+    // Returns True when the commit is done; False (nothing changed) when the Python
+    // core must run it: a sequence that is not live here, a malformed or out-of-range
+    // count (the Python core raises), or a request outside the fast path.
+    bool commit(nb::handle seq, nb::handle num_tokens, nb::handle trie, nb::handle live,
+                nb::handle evictor, nb::handle attach) {
+        const SpecTables& s = spec();
+        // [R3]: live in this trie (the Python core names what is wrong otherwise)
+        if (Py_TYPE(seq.ptr()) != reinterpret_cast<PyTypeObject*>(sequence_type_.ptr())) return false;
+        if (!PyLong_CheckExact(num_tokens.ptr())) return false;
+        nb::object serial = seq.attr("serial");
+        PyObject* registered = PyDict_GetItemWithError(live.ptr(), serial.ptr());
+        if (registered != seq.ptr()) {
+            if (registered == nullptr && PyErr_Occurred()) throw nb::python_error();
+            return false;
+        }
+        if (!seq.attr("extra").is_none()) return false;
+        nb::object token_list = seq.attr("token_list");
+        if (!token_list.attr("typecode").equal(typecode_)) return false;
+        int overflow = 0;
+        const long long n = PyLong_AsLongLongAndOverflow(num_tokens.ptr(), &overflow);
+        if (overflow) return false;
+        nb::object blocks_obj = seq.attr("blocks");
+        nb::object path_obj = seq.attr("path");
+        nb::object keys_obj = seq.attr("keys");
+        const size_t size = block_size_;
+        const long long known = static_cast<long long>(PySequence_Size(token_list.ptr()));
+        const long long allocated = static_cast<long long>(PyList_GET_SIZE(blocks_obj.ptr())) * static_cast<long long>(size);
+        const long long covered = std::min(known, allocated);
+        const long long committed = nb::cast<long long>(seq.attr("num_committed_tokens"));
+        if (!(committed <= n && n <= covered)) return false;  // the Python core refuses it
+        const size_t full = static_cast<size_t>(n) / size;
+        const size_t start = static_cast<size_t>(PyList_GET_SIZE(path_obj.ptr()));
+        // Keys of blocks completed by tokens appended after match (`request_keys`)
+        const size_t have = static_cast<size_t>(PyList_GET_SIZE(keys_obj.ptr()));
+        if (have < full) {
+            Column<uint32_t> ids(token_list, "token_list");
+            const char* raw = reinterpret_cast<const char*>(ids.data());
+            for (size_t j = have; j < full; ++j) {
+                nb::object key = nb::steal(PyBytes_FromStringAndSize(raw + j * width_, static_cast<Py_ssize_t>(width_)));
+                if (!key.is_valid() || PyList_Append(keys_obj.ptr(), key.ptr()) != 0) throw nb::python_error();
+            }
+        }
+        // [R7]: the clock ticks on every commit
+        nb::object tick = trie.attr("_clock") + nb::int_(1);
+        trie.attr("_clock") = tick;
+        if (start >= full) {
+            seq.attr("num_committed_tokens") = num_tokens;
+            return true;
+        }
+        int32_t parent;
+        if (start > 0) {
+            parent = nb::cast<int32_t>(nb::handle(PyList_GET_ITEM(path_obj.ptr(), static_cast<Py_ssize_t>(start - 1))));
+        } else {
+            parent = nb::cast<int32_t>(attach.attr("namespace_root")(seq.attr("namespace")));  // [R11]
+        }
+        std::vector<int32_t> blocks = from_list(blocks_obj, "blocks");
+        for (size_t i = start; i < full; ++i) {
+            PyObject* key = PyList_GET_ITEM(keys_obj.ptr(), static_cast<Py_ssize_t>(i));
+            int32_t child = found_child(parent, key);
+            if (child < 0) {  // [R19]: this block and every later one are new
+                attach_new(parent, keys_obj, i, full, blocks_obj, tick, path_obj, evictor, attach);
+                break;
+            }
+            int32_t cached;
+            {
+                Column<int32_t> block(block_, "block");
+                cached = block[static_cast<size_t>(child)];
+            }
+            if (cached == s.no_block) throw std::logic_error("commit: an offloaded node without a host tier");
+            // [R18]: deduplicated; the request switches to the cached block
+            const int32_t own = blocks[i];
+            IntList refs(refs_, "refs");
+            const int64_t ccount = refs.get(static_cast<size_t>(cached));
+            const int64_t ocount = refs.get(static_cast<size_t>(own));
+            if (ccount <= 0 || ocount <= 0) throw std::logic_error("commit: a held block is free");
+            refs.set(static_cast<size_t>(cached), ccount + 1);
+            PyList_SetItem(blocks_obj.ptr(), static_cast<Py_ssize_t>(i), PyLong_FromLong(cached));
+            blocks[i] = cached;
+            refs.set(static_cast<size_t>(own), ocount - 1);
+            if (ocount == 1) extend_array(free_, {own});
+            evictor.attr("settle")(child);
+            IntList ticks(tick_, "tick");
+            ticks.set_object(static_cast<size_t>(child), tick.ptr());  // [R8]
+            nb::object child_obj = nb::int_(child);
+            if (PyList_Append(path_obj.ptr(), child_obj.ptr()) != 0) throw nb::python_error();
+            parent = child;
+        }
+        seq.attr("num_committed_tokens") = num_tokens;
+        return true;
+    }
+
+private:
+    // `NodeTable.child_of(parent, key)` for a plain key: the child or -1.
+    int32_t found_child(int32_t parent, PyObject* key) {
+        const SpecTables& s = spec();
+        int32_t child;
+        {
+            Column<int32_t> only(child_, "child");
+            child = only[static_cast<size_t>(parent)];
+        }
+        if (child >= 0) {
+            if (PyDict_GET_SIZE(wide_.ptr()) > 0) {
+                nb::object id = nb::int_(child);
+                int in_wide = PyDict_Contains(wide_.ptr(), id.ptr());
+                if (in_wide < 0) throw nb::python_error();
+                if (in_wide) return -1;  // a wide key never equals a plain one
+            }
+            Column<uint8_t> tokens(tokens_, "tokens");
+            return holds(tokens, child, key, width_) ? child : -1;
+        }
+        if (child != s.many) return -1;
+        nb::object id = nb::int_(parent);
+        PyObject* kids = PyDict_GetItemWithError(kids_.ptr(), id.ptr());
+        if (kids == nullptr) {
+            if (PyErr_Occurred()) throw nb::python_error();
+            throw std::logic_error("commit: a node with many children has no kids dict");
+        }
+        PyObject* found = PyDict_GetItemWithError(kids, key);
+        if (found == nullptr) {
+            if (PyErr_Occurred()) throw nb::python_error();
+            return -1;
+        }
+        return static_cast<int32_t>(PyLong_AsLong(found));
+    }
+
+    // `Attach._attach_chain` (events off): blocks start..stop-1 as a chain of new
+    // nodes under `parent`, linked in, on the request's path.
+    void attach_new(int32_t parent, nb::handle keys, size_t start, size_t stop, nb::handle blocks_obj,
+                    nb::handle tick, nb::handle path_obj, nb::handle evictor, nb::handle attach) {
+        const SpecTables& s = spec();
+        nb::object chain = nb::steal(PyList_GetSlice(blocks_obj.ptr(), static_cast<Py_ssize_t>(start),
+                                                     static_cast<Py_ssize_t>(stop)));
+        if (!chain.is_valid()) throw nb::python_error();
+        const int64_t serial = nb::cast<int64_t>(attach.attr("_node_serial"));
+        nb::object rows = attach_chain(table_, parent, keys, start, chain, serial + 1, tick,
+                                       cached_code_, owner_, refs_);
+        if (rows.is_none()) throw std::logic_error("commit: a plain key was refused");
+        const int32_t first = nb::cast<int32_t>(rows[0]);
+        // `NodeTable.attach_child(parent, keys[start], first)`
+        int32_t only;
+        {
+            Column<int32_t> child(child_, "child");
+            only = child[static_cast<size_t>(parent)];
+            if (only == s.no_child) child[static_cast<size_t>(parent)] = first;
+        }
+        if (only == s.many) {
+            nb::object id = nb::int_(parent);
+            PyObject* kids = PyDict_GetItemWithError(kids_.ptr(), id.ptr());
+            if (kids == nullptr) {
+                if (PyErr_Occurred()) throw nb::python_error();
+                throw std::logic_error("commit: a node with many children has no kids dict");
+            }
+            PyObject* key = PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(start));
+            if (PyDict_SetItem(kids, key, rows[0].ptr()) != 0) throw nb::python_error();
+        } else if (only >= 0) {
+            table_.attr("attach_child")(parent, nb::handle(PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(start))), first);
+        }
+        const int64_t count = static_cast<int64_t>(stop - start);
+        attach.attr("_node_serial") = nb::int_(serial + count);
+        evictor.attr("num_cached") = evictor.attr("num_cached") + nb::int_(count);
+        nb::object extended = nb::steal(PySequence_InPlaceConcat(path_obj.ptr(), rows.ptr()));
+        if (!extended.is_valid()) throw nb::python_error();
+    }
+
+    nb::object table_, child_, tokens_, block_, tick_, kids_, wide_, refs_, free_, owner_;
+    nb::object sequence_type_, typecode_;
+    size_t width_, block_size_;
+    int cached_code_;
+};
+
+}  // namespace blocktrie

@@ -1,0 +1,334 @@
+"""The native core (`cache._native`, issue 47): choosing a backend, and the two backends
+agreeing call by call.
+
+- Backend selection (`cache.native.resolve_backend`): `CacheConfig.backend`,
+  `BLOCKTRIE_BACKEND`, the fallback warning, the refusal when native is asked
+  for and missing. These run with or without the extension.
+- `PairedBackends`: one Hypothesis state machine drives a Python-core trie and
+  a native-core trie with the same operations (tiny alphabet, a handful of
+  blocks: eviction on most steps; namespaces, extra identities and 64-bit
+  token ids take the kernels' fallback paths) and requires, after every step,
+  equal results, equal errors, equal snapshots (every node, count, index and
+  statistic) and equal events.
+- The kernels' own contracts: `NodeLRU` against `cache.lru.LRUIndex`, the
+  pool's all-or-nothing refusals, the spec's tables handed over at import.
+
+Everything else the native backend must keep is the whole suite, run a second
+time with ``BLOCKTRIE_BACKEND=native`` (``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import cache.native as native
+from cache import BlockTrie, CacheConfig, Sequence, eviction
+from cache.lru import LRUIndex
+from cache.node import state_code
+from spec.errors import CacheError, ConfigError
+from spec.lifecycle import LIFECYCLES, NODE, NodeState, NodeTrigger
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = native.native_module()
+needs_native = pytest.mark.skipif(
+    NATIVE is None, reason=f"no native core: {native.unavailable_reason()}"
+)
+
+
+# ------------------------------------------------------------------ backend choice
+
+
+def test_backend_is_validated_by_the_config() -> None:
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        CacheConfig(block_size=2, num_blocks=4, backend="rust")
+    assert CacheConfig(block_size=2, num_blocks=4).backend == "auto"
+
+
+def test_python_backend_is_always_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native.ENV, raising=False)
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4, backend="python"))
+    assert trie.backend == "python"
+    assert trie._kv.native is None
+
+
+def test_the_environment_overrides_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV, "python")
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4, backend="native"))
+    assert trie.backend == "python"
+    monkeypatch.setenv(native.ENV, "fast")
+    with pytest.raises(ConfigError, match=r"\$BLOCKTRIE_BACKEND must be one of"):
+        BlockTrie(CacheConfig(block_size=2, num_blocks=4))
+
+
+def test_missing_native_core_is_refused_or_warned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.setattr(native, "_MODULE", None)
+    monkeypatch.setattr(native, "_REASON", "cache._native did not import (test)")
+    monkeypatch.setattr(native, "_warned", False)
+    with pytest.raises(ConfigError, match=r"did not import \(test\).*C\+\+17 compiler"):
+        BlockTrie(CacheConfig(block_size=2, num_blocks=4, backend="native"))
+    with pytest.warns(native.NativeUnavailableWarning, match="Python core: cache._native did not"):
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4))
+    assert trie.backend == "python"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        assert BlockTrie(CacheConfig(block_size=2, num_blocks=4)).backend == "python"
+
+
+@needs_native
+def test_auto_runs_native_when_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native.ENV, raising=False)
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4))
+    assert trie.backend == "native"
+    assert type(trie._evictor.index).__name__ == "NodeLRU"
+
+
+# ------------------------------------------------------------------ the spec drives it
+
+
+def test_native_sources_have_no_lifecycle_literals() -> None:
+    """The C++ quotes no state or trigger name (the Python core's rule, same test):
+    the codes come from `spec.lifecycle` through `cache.native._configure`."""
+    names = {s for life in LIFECYCLES for s in (*life.states, *life.triggers)}
+    offenders = []
+    for path in sorted((ROOT / "native" / "src").glob("*.[ch]pp")):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            for literal in re.findall(r'"((?:[^"\\]|\\.)*)"', code):
+                if literal in names:
+                    offenders.append(f"{path.name}:{lineno}: {literal!r}")
+    assert not offenders, "lifecycle literals in native/src:\n" + "\n".join(offenders)
+
+
+def test_native_sources_cite_only_defined_rules() -> None:
+    """Every [R] citation in the C++ names a rule of docs/semantics.md, and each
+    kernel cites the rules of the Python loop it replaces."""
+    semantics = (ROOT / "docs" / "semantics.md").read_text()
+    defined = {int(n) for n in re.findall(r"\*\*\[R(\d+)\]", semantics)}
+    cited: set[int] = set()
+    for path in sorted((ROOT / "native" / "src").glob("*.[ch]pp")):
+        cited |= {int(n) for n in re.findall(r"\[R(\d+)\]", path.read_text())}
+    assert cited and cited <= defined, sorted(cited - defined)
+    # the Python twins' rules: the walk, taking the hit, ticks, the chain, eviction
+    assert {6, 8, 10, 12, 19, 23} <= cited
+
+
+@needs_native
+def test_the_spec_tables_reach_the_native_core() -> None:
+    assert NATIVE is not None and NATIVE.configured()
+    free = NodeTrigger.FREE.value
+    rows = {state_code(s): state_code(d) for (t, s), d in NODE.table.items() if t == free}
+    root, evictable, freed_from = NATIVE.tables()
+    assert freed_from == rows == eviction._FREED_FROM and rows
+    assert (root, evictable) == (
+        state_code(NodeState.ROOT.value),
+        state_code(NodeState.EVICTABLE.value),
+    )
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(20))
+def test_node_lru_orders_as_lru_index(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    ticks = [0] * 64
+    from array import array
+
+    serials = array("q", range(64))
+    assert NATIVE is not None
+    fast = NATIVE.NodeLRU(ticks, serials)
+    slow: LRUIndex[int] = LRUIndex(ticks.__getitem__, serials.__getitem__)
+    members: set[int] = set()
+    for _ in range(300):
+        node = rng.randrange(64)
+        if node in members:
+            fast.remove(node)
+            slow.remove(node)
+            members.discard(node)
+        else:
+            ticks[node] = rng.randrange(8)  # ties broken by serial
+            fast.add(node)
+            slow.add(node)
+            members.add(node)
+        assert len(fast) == len(slow) and bool(fast) == bool(slow)
+        assert list(fast) == list(slow)
+        assert sorted(fast.unordered()) == sorted(slow.unordered())
+        if members:
+            assert fast.oldest() == slow.oldest()
+        assert all((n in fast) == (n in members) for n in range(64))
+    with pytest.raises(KeyError):
+        fast.remove(next(n for n in range(64) if n not in members) if len(members) < 64 else -1)
+
+
+@needs_native
+def test_node_lru_refuses_what_lru_index_leaves_undefined() -> None:
+    from array import array
+
+    assert NATIVE is not None
+    lru = NATIVE.NodeLRU([0, 0], array("q", [0, 1]))
+    with pytest.raises(IndexError):
+        lru.oldest()
+    lru.add(1)
+    with pytest.raises(ValueError):
+        lru.add(1)  # already indexed
+    with pytest.raises(IndexError):
+        lru.add(2)  # no such row
+    assert "x" not in lru and 1 in lru and 0 not in lru
+
+
+@needs_native
+def test_pool_kernels_are_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused `incref_all` / `decref_all` leaves every count and the free list as
+    they were and raises the Python pool's `CacheError`, naming the block."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in ("python", "native"):
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=6, backend=backend))
+        kv = trie._kv
+        taken = kv.take(3)
+        before = (kv.counts(), kv.free_ids())
+        with pytest.raises(CacheError, match=r"block \d+ is free; cannot take a reference"):
+            kv.incref_all([taken[0], taken[1], kv.free_ids()[-1]])
+        with pytest.raises(CacheError, match="NO_BLOCK"):
+            kv.incref_all([taken[0], -1])
+        assert (kv.counts(), kv.free_ids()) == before
+        with pytest.raises(CacheError, match=r"already free \(double free\)"):
+            kv.decref_all([taken[0], taken[0]])
+        assert (kv.counts(), kv.free_ids()) == before
+        kv.decref_all([taken[2], taken[0]])
+        assert kv.free_ids()[-2:] == [taken[2], taken[0]]
+
+
+# ------------------------------------------------------------------ paired backends
+
+TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
+NAMESPACES = st.sampled_from(["", "b"])
+EXTRAS = st.one_of(st.none(), st.just(["img"]))
+
+
+def _both(trie_py: BlockTrie, trie_nat: BlockTrie, op: str, *args: Any) -> Any:
+    """Call `op` on both tries; both raise the same error class or return equal results."""
+    outcome = []
+    for trie in (trie_py, trie_nat):
+        try:
+            outcome.append(("ok", getattr(trie, op)(*args)))
+        except Exception as exc:  # the error class is part of the contract
+            outcome.append(("err", type(exc)))
+    assert outcome[0][0] == outcome[1][0], (op, outcome)
+    return outcome
+
+
+class PairedBackends(RuleBasedStateMachine):
+    """A Python-core trie and a native-core trie, driven alike, must stay equal."""
+
+    seqs = Bundle("seqs")
+
+    @initialize(
+        capacity=st.integers(3, 10),
+        events=st.booleans(),
+        scheme=st.sampled_from(["xxh3", "vllm"]),
+    )
+    def build(self, capacity: int, events: bool, scheme: str) -> None:
+        def make(backend: str) -> BlockTrie:
+            return BlockTrie(
+                CacheConfig(
+                    block_size=2,
+                    num_blocks=capacity,
+                    enable_events=events,
+                    block_hash=scheme,
+                    backend=backend,
+                )
+            )
+
+        self.py = make("python")
+        self.nat = make("native")
+        assert self.nat.backend == "native"
+
+    @rule(target=seqs, tokens=TOKENS, namespace=NAMESPACES, extra=EXTRAS, fill=st.booleans())
+    def match(
+        self, tokens: list[int], namespace: str, extra: list[str] | None, fill: bool
+    ) -> tuple[Sequence, Sequence]:
+        a = self.py.match(tokens, namespace, extra)
+        b = self.nat.match(tokens, namespace, extra)
+        assert (a.num_cached_tokens, a.block_ids) == (b.num_cached_tokens, b.block_ids)
+        if fill:  # the engine's usual next steps: allocate and commit what it computed
+            out_a = out_b = None
+            try:
+                self.py.allocate(a, len(tokens))
+            except CacheError as exc:
+                out_a = type(exc)
+            try:
+                self.nat.allocate(b, len(tokens))
+            except CacheError as exc:
+                out_b = type(exc)
+            assert out_a == out_b
+            if out_a is None:
+                self.py.commit(a, len(tokens))
+                self.nat.commit(b, len(tokens))
+                assert a.block_ids == b.block_ids
+        return (a, b)
+
+    @rule(pair=seqs, more=TOKENS)
+    def append_allocate_commit(self, pair: tuple[Sequence, Sequence], more: list[int]) -> None:
+        a, b = pair
+        self.py.append(a, more)
+        self.nat.append(b, more)
+        n = len(a.tokens)
+        errors: list[type[Exception] | None] = []
+        for trie, seq in ((self.py, a), (self.nat, b)):
+            try:
+                trie.allocate(seq, n)
+                trie.commit(seq, n)
+                errors.append(None)
+            except CacheError as exc:
+                errors.append(type(exc))
+        assert errors[0] == errors[1]
+        assert a.block_ids == b.block_ids and a.num_committed_tokens == b.num_committed_tokens
+
+    @rule(pair=consumes(seqs))
+    def release(self, pair: tuple[Sequence, Sequence]) -> None:
+        self.py.release(pair[0])
+        self.nat.release(pair[1])
+
+    @rule(pair=consumes(seqs))
+    def abort(self, pair: tuple[Sequence, Sequence]) -> None:
+        self.py.abort(pair[0])
+        self.nat.abort(pair[1])
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n: int) -> None:
+        assert self.py.evict(n) == self.nat.evict(n)
+
+    @precondition(lambda self: self.py.num_cached_blocks > 0)
+    @rule()
+    def clear_when_idle(self) -> None:
+        _both(self.py, self.nat, "clear")
+
+    @invariant()
+    def same_state(self) -> None:
+        if not hasattr(self, "py"):
+            return
+        assert self.py.snapshot() == self.nat.snapshot()
+        assert self.py.drain_events() == self.nat.drain_events()
+        self.nat.check()
+
+
+TestPairedBackends = needs_native(PairedBackends.TestCase)
