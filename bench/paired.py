@@ -60,9 +60,13 @@ class PairedTimedCache:
         second: Any,
         block_size: int,
         clock: Callable[[], int] = time.thread_time_ns,
+        same_events: bool = False,
     ) -> None:
+        """`same_events`: at each `poll`, both caches' events are drained (untimed) and
+        must be equal (both built with events on)."""
         self.first = first
         self.second = second
+        self.same_events = same_events
         self._sides = (TimedCache(first, block_size, clock), TimedCache(second, block_size, clock))
         # operation -> whether the second cache goes first on its next call
         self._turns: dict[str, bool] = {}
@@ -149,6 +153,8 @@ class PairedTimedCache:
     def poll(self) -> int:
         done, done2 = self._both("poll", lambda timed, _: timed.poll())
         self._same("copies reaped", done, done2)
+        if self.same_events:
+            self._same("events", self.first.drain_events(), self.second.drain_events())
         return int(done)
 
     def check(self) -> None:

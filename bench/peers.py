@@ -296,13 +296,24 @@ class _EventDrain:
 
 
 def make_blocktrie(
-    block_size: int, capacity: int, events: bool = False, mode: str = "encode", every: int = 1
+    block_size: int,
+    capacity: int,
+    events: bool = False,
+    mode: str = "encode",
+    every: int = 1,
+    backend: str = "auto",
 ) -> Any:
+    """A blocktrie for the rows: ids only, attention only; `backend` as
+    `CacheConfig.backend` ("auto": the native core when it is built)."""
     from cache import BlockTrie, CacheConfig
 
     trie = BlockTrie(
         CacheConfig(
-            block_size=block_size, num_blocks=capacity, kv_block_shape=None, enable_events=events
+            block_size=block_size,
+            num_blocks=capacity,
+            kv_block_shape=None,
+            enable_events=events,
+            backend=backend,
         )
     )
     return _EventDrain(trie, mode, every) if events else trie
@@ -324,6 +335,7 @@ EVENT_MODES = {
 
 IMPLS: dict[str, Callable[[int, int], Any]] = {
     "blocktrie": make_blocktrie,
+    "blocktrie-python": lambda b, cap: make_blocktrie(b, cap, backend="python"),
     "dict-trie": DictTrie,
     "column-trie": ColumnTrie,
     "blocktrie+events": lambda b, cap: make_blocktrie(b, cap, events=True),
@@ -364,17 +376,25 @@ def run_once(
 
 
 def run_paired(
-    workload: Workload[Any], make_on: Callable[[int, int], Any], b: int, cap: int, overhead: float
+    workload: Workload[Any],
+    make_on: Callable[[int, int], Any],
+    b: int,
+    cap: int,
+    overhead: float,
+    make_off: Callable[[int, int], Any] = make_blocktrie,
+    same_events: bool = False,
 ) -> dict[str, Any]:
-    """blocktrie with events off and a blocktrie made by `make_on` (events on) driven by
-    one replay in turns, call by call (`bench.paired`), with the garbage collector
-    paused (both tries share one heap: a collection would land on whichever side
-    crossed the threshold). Returns each side's ns per prompt block and their ratio."""
+    """blocktrie with events off (or `make_off`'s) and a blocktrie made by `make_on`
+    (events on) driven by one replay in turns, call by call (`bench.paired`: it raises
+    on the first difference in hits, block tables or evictions; with `same_events`,
+    in the events drained at each poll too), with the garbage collector paused (both
+    tries share one heap: a collection would land on whichever side crossed the
+    threshold). Returns each side's ns per prompt block and their ratio."""
     from bench.paired import PairedTimedCache
 
     gc.collect()
-    off, on = make_blocktrie(b, cap), make_on(b, cap)
-    timed = PairedTimedCache(off, on, b)
+    off, on = make_off(b, cap), make_on(b, cap)
+    timed = PairedTimedCache(off, on, b, same_events=same_events)
     gc.disable()
     try:
         result = replay(workload, timed, block_size=b, capacity=cap, concurrency=32)
@@ -392,6 +412,7 @@ def run_paired(
         "ratio": on_ns / off_ns,
         "hit_rate": result.hit_rate,
         "evicted_blocks": result.evicted_blocks,
+        "calls": timed.t.calls,
     }
 
 
@@ -480,9 +501,15 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
     )
     vllm, vllm_why = find_vllm_python(getattr(args, "vllm_python", None))
     print_(f"  vLLM peer: {vllm_why if vllm else 'skipped (' + vllm_why + ')'}")
+    from cache.native import native_module, unavailable_reason
+
+    native = native_module() is not None
+    backend = "native" if native else f"python: {unavailable_reason()}"
+    print_(f"  blocktrie: the {backend} core; the Python core beside it")
     table = Table(title="ns of cache code per prompt block (events off)")
-    columns = ["workload, capacity", "dict trie", "blocktrie", "vs dict", "column trie"]
-    columns += ["col vs dict", *(["vLLM", "bt vs vLLM"] if vllm else []), "hit rate", "evicted"]
+    columns = ["workload, capacity", "dict trie", "blocktrie", "vs dict", "python core"]
+    columns += ["py vs dict", "column trie", "col vs dict"]
+    columns += [*(["vLLM", "bt vs vLLM"] if vllm else []), "hit rate", "evicted"]
     for col in columns:
         table.add_column(col, justify="left" if col.startswith("workload") else "right")
     rows: list[dict[str, Any]] = []
@@ -494,7 +521,7 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                 print_(f"  {row.label}: skipped ({traces / row.trace} not found)")
                 continue
             workload = load_trace(path, "mooncake", b)
-            impls = ["blocktrie", "dict-trie", "column-trie"]
+            impls = ["blocktrie", "blocktrie-python", "dict-trie", "column-trie"]
             with_events = row.capacity == 60_000 and row.trace == CONVERSATION
             paired: dict[str, list[dict[str, Any]]] = {name: [] for name in EVENT_MODES}
             best: dict[str, dict[str, Any]] = {}
@@ -511,8 +538,23 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                 child_args = ["--row", str(path), str(b), str(row.capacity)]
                 child_args += [str(args.repeats), str(overhead)]
                 best["vllm"] = run_vllm_child(vllm, child_args)
+            # Native and Python cores, events on, in turns call by call: the pair raises
+            # on the first difference in hits, block tables, evictions or events.
+            agree = run_paired(
+                workload,
+                lambda b_, cap: make_blocktrie(b_, cap, events=True, backend="python"),
+                b,
+                row.capacity,
+                overhead,
+                make_off=lambda b_, cap: make_blocktrie(b_, cap, events=True),
+                same_events=True,
+            )
             bt, dt, ct = best["blocktrie"], best["dict-trie"], best["column-trie"]
+            pt = best["blocktrie-python"]
+            if (pt["hit_rate"], pt["evicted_blocks"]) != (bt["hit_rate"], bt["evicted_blocks"]):
+                raise RuntimeError(f"{row.label}: the native and Python cores replayed differently")
             ratio = bt["ns_per_block"] / dt["ns_per_block"]
+            python_ratio = pt["ns_per_block"] / dt["ns_per_block"]
             column_ratio = ct["ns_per_block"] / dt["ns_per_block"]
             extra: dict[str, float] = {}
             cells: list[str] = []
@@ -528,7 +570,9 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                     "capacity": row.capacity,
                     **best,
                     "vs_dict": ratio,
+                    "python_vs_dict": python_ratio,
                     "column_vs_dict": column_ratio,
+                    "backends_agree": {"calls": agree["calls"], "events": True},
                     **extra,
                 }
             )
@@ -538,6 +582,8 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
                 f"{dt['ns_per_block']:,.0f}",
                 f"{bt['ns_per_block']:,.0f}",
                 f"{ratio:.2f}x",
+                f"{pt['ns_per_block']:,.0f}",
+                f"{python_ratio:.2f}x",
                 f"{ct['ns_per_block']:,.0f}",
                 f"{column_ratio:.2f}x" + ("" if same else " (hits differ!)"),
                 *cells,
@@ -564,7 +610,10 @@ def bench_peers(args: argparse.Namespace, out: dict[str, Any], print_: Callable[
         "[dim]hit rate: blocktrie / dict trie"
         + (" / vLLM" if vllm else "")
         + " (all LRU; tie-breaks may differ under "
-        "eviction). evicted: blocktrie's evicted blocks. column trie: the dict trie's "
+        "eviction). evicted: blocktrie's evicted blocks. python core: the same blocktrie "
+        "on its Python core (CacheConfig(backend='python')); the two cores were also "
+        "replayed with events on in turns, call by call, and agreed on every hit, block "
+        "table, eviction and drained event (else the run stops). column trie: the dict trie's "
         "algorithm stored as columns (bench.column_trie; its hits equal the dict trie's), "
         "what the column layout alone costs."
         + (

@@ -279,6 +279,18 @@ class Evictor:
     def _evict(self, n: int) -> tuple[int, int]:
         """`evict(n)`; returns (blocks freed, blocks still to be freed by write-back
         stores this call queued that have not finished)."""
+        if self._native is not None and self.host is None and not self.nodes.checkpoint:
+            # the loop below for a trie without a host tier or checkpoints, as one call
+            removed: tuple[list[int], list[int], list[str]] | None = None
+            if self._events.enabled:
+                removed = ([], [], [])
+            freed = self._native.evict_inline(
+                n, self.index, self, self.nodes, self._kv, removed, _SETTLED
+            )
+            if removed is not None and removed[0]:
+                self._events.removed(*removed)
+            self._stats.evicted_blocks += freed
+            return freed, 0
         freed = 0  # freed directly by this call (write-back frees are counted apart)
         written = 0  # freed by write-back stores that finished when queued
         pending = 0  # to be freed by write-back stores still in flight
@@ -305,15 +317,6 @@ class Evictor:
         # for the node the step frees and its parent, with their checks; a fact
         # the inlined form does not cover goes to the method, which decides it.
         inline = not tiered and not t.checkpoint
-        if inline and self._native is not None:  # the same loop, as one native call
-            removed = None
-            if removed_hashes is not None:
-                removed = (removed_hashes, removed_blocks, removed_spaces)
-            freed = self._native.evict_inline(n, index, self, t, self._kv, removed, _SETTLED)
-            if removed_hashes:
-                self._events.removed(removed_hashes, removed_blocks, removed_spaces)
-            self._stats.evicted_blocks += freed
-            return freed, 0
         child = t.child
         blocks = t.block
         owner = self.owner

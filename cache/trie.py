@@ -50,7 +50,7 @@ from collections.abc import Mapping
 
 import torch
 
-from cache import inspection
+from cache import eviction, inspection
 from cache.attach import Attach
 from cache.block_pins import BlockPinReceipt, BlockPins, block_hashes_arg
 from cache.bounds import NO_SPANS, Spans
@@ -193,6 +193,12 @@ class BlockTrie(TrieCounts):
         self._explicit: dict[int, PinReceipt] = {}
         self._gate = threading.Lock()  # held while an operation runs ([R45])
         self._completions = CompletionQueue(self._gate)  # reports from other threads ([R58])
+        self._fast = None  # the native core's release and allocate, when it runs
+        if native is not None and self._host is None:
+            self._fast = native.FastTrie(
+                self._nodes, self._kv.refs, self._kv._free, Sequence, eviction._SETTLED,
+                self.faults, self._kv._fault_point, config.block_size,
+            )  # fmt: skip
         engine._completions = self._completions
 
     # ------------------------------------------------------------ properties
@@ -309,6 +315,9 @@ class BlockTrie(TrieCounts):
         if not self._gate.acquire(False):
             raise concurrent_use("allocate()")
         try:
+            fast = self._fast  # the native core's, when it runs: one call
+            if fast is not None and fast.allocate(seq, num_tokens, self._live):
+                return
             need = self._blocks_needed("allocate", seq, num_tokens)
             if seq.host_path or seq.load_failed:
                 refuse_unloaded("allocate", seq)
@@ -409,6 +418,11 @@ class BlockTrie(TrieCounts):
         if not self._gate.acquire(False):
             raise concurrent_use("release()")
         try:
+            fast = self._fast  # the native core's, when it runs: one call
+            if fast is not None and fast.release(
+                seq, self, self._live, self._evictor.index, self._evictor
+            ):
+                return
             self._check_live(seq)
             self._clock += 1
             tick = self._clock

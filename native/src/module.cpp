@@ -11,6 +11,7 @@
 #include "lru.hpp"
 #include "node_table.hpp"
 #include "spec_tables.hpp"
+#include "trie_ops.hpp"
 
 namespace nb = nanobind;
 using namespace blocktrie;
@@ -68,6 +69,17 @@ NB_MODULE(_native, m) {
              nb::arg("cached_code"))
         .def("commit", &FastAttach::commit, nb::arg("seq"), nb::arg("num_tokens"), nb::arg("trie"),
              nb::arg("live"), nb::arg("evictor"), nb::arg("attach"));
+
+    nb::class_<FastTrie>(m, "FastTrie",
+                         "BlockTrie.release and .allocate in one call each for the usual "
+                         "request (else False).")
+        .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object,
+                      nb::object, size_t>(),
+             nb::arg("table"), nb::arg("refs"), nb::arg("free_list"), nb::arg("sequence_type"),
+             nb::arg("settled"), nb::arg("faults"), nb::arg("fault_point"), nb::arg("block_size"))
+        .def("release", &FastTrie::release, nb::arg("seq"), nb::arg("trie"), nb::arg("live"),
+             nb::arg("index"), nb::arg("evictor"))
+        .def("allocate", &FastTrie::allocate, nb::arg("seq"), nb::arg("num_tokens"), nb::arg("live"));
 
     m.def("incref_all", &incref_all, nb::arg("refs"), nb::arg("blocks"));
     m.def("decref_all", &decref_all, nb::arg("refs"), nb::arg("free_list"), nb::arg("blocks"));
