@@ -20,6 +20,7 @@ from cache.eviction import Evictor
 from cache.host_tier import HostTier
 from cache.keys import request_keys
 from cache.kv_pool import KVBlockPool
+from cache.native import xxh3_address
 from cache.node import MANY, NO_BLOCK, NO_NODE, Node, NodeTable, state_code
 from cache.offload import Offload, refuse_unloaded
 from cache.sequence import Sequence
@@ -73,11 +74,14 @@ class Attach:
         """The native core's `FastAttach` (the whole of `BlockTrie.commit` for the usual
         commit), when the trie runs it without a host tier, events or key hash."""
         native = kv.native
-        if native is not None and host is None and not events.enabled and self._key_hash is None:
-            self.fast = native.FastAttach(
-                nodes, kv.refs, kv._free, evictor.owner, Sequence, U32, self._block_size,
-                _CACHED_CODE,
-            )  # fmt: skip
+        if native is not None and host is None and self._key_hash is None:
+            # events on: the plain xxh3 chain, hashed by xxhash's own C function
+            xxh3 = xxh3_address() if events.plain_digest is not None else 0
+            if not events.enabled or xxh3:
+                self.fast = native.FastAttach(
+                    nodes, kv.refs, kv._free, evictor.owner, Sequence, U32, self._block_size,
+                    _CACHED_CODE, events if events.enabled else None, xxh3,
+                )  # fmt: skip
 
     def namespace_root(self, namespace: str) -> Node:
         """The namespace's root, created on first use ([R11])."""

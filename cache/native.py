@@ -100,6 +100,34 @@ def unavailable_reason() -> str:
     return _REASON
 
 
+_XXH3: int | None = None
+
+
+def xxh3_address() -> int:
+    """The address of `XXH3_64bits_withSeed` in the `xxhash` package's extension (the
+    function its `xxh3_64_intdigest` calls), checked against it on a few inputs; 0
+    when the package or the symbol is missing or disagrees (the native commit then
+    leaves events-on commits to the Python core). Found once, with `ctypes`."""
+    global _XXH3
+    if _XXH3 is None:
+        _XXH3 = 0
+        try:
+            import ctypes
+
+            import xxhash
+            from xxhash import _xxhash  # type: ignore[attr-defined]
+
+            fn = ctypes.CDLL(_xxhash.__file__).XXH3_64bits_withSeed
+            fn.restype = ctypes.c_uint64
+            fn.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64)
+            samples = [(b"", 0), (b"blocktrie" * 7, 2**64 - 1), (bytes(range(64)), 12345)]
+            if all(fn(d, len(d), s) == xxhash.xxh3_64_intdigest(d, s) for d, s in samples):
+                _XXH3 = ctypes.cast(fn, ctypes.c_void_p).value or 0
+        except (ImportError, OSError, AttributeError):
+            pass
+    return _XXH3
+
+
 def resolve_backend(requested: str) -> str:
     """The backend a trie configured with `requested` runs: `"native"` or `"python"`.
 

@@ -401,7 +401,7 @@ class BlockTrie(TrieCounts):
         try:
             fast = self._attach.fast  # the native core's, when it runs: one call
             if fast is None or not fast.commit(
-                seq, num_tokens, self, self._live, self._evictor, self._attach
+                seq, num_tokens, self, self._live, self._evictor, self._attach, self._block_pins
             ):
                 self._check_live(seq)
                 self._attach.commit(seq, num_tokens)

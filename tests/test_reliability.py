@@ -34,7 +34,7 @@ from cache import (
     InvalidType,
 )
 from cache.checkpoints import CheckpointStore
-from cache.eviction import Evictor
+from cache.event_log import EventLog
 from spec.model import ReferenceCache
 from tests.helpers import empty_state, frozen, kv_trie, serve, ssm_trie, state
 from tests.test_contract_copies import _FailsOnRun
@@ -105,18 +105,22 @@ def test_an_identity_the_cache_cannot_own_is_refused_before_anything_changes(
     with events on, is exactly as before."""
     trie = kv_trie(num_blocks=8)
     serve(trie, PROMPT)  # something cached, so commit would deduplicate
-    for item in extra:
-        if isinstance(item, _CallsBack):
-            item.trie = trie
-    before = frozen(trie.snapshot())
-    clock = trie.clock
-    with pytest.raises(error, match=r"extra\[[01]\]"):
-        serve(trie, PROMPT, extra=extra)
-    assert frozen(trie.snapshot()) == before
-    assert trie.clock == clock
-    trie.check()
-    assert trie.evict(8) == 2  # the index still holds every cached block
-    trie.check()
+    calls_back = [item for item in extra if isinstance(item, _CallsBack)]
+    for item in calls_back:
+        item.trie = trie
+    try:
+        before = frozen(trie.snapshot())
+        clock = trie.clock
+        with pytest.raises(error, match=r"extra\[[01]\]"):
+            serve(trie, PROMPT, extra=extra)
+        assert frozen(trie.snapshot()) == before
+        assert trie.clock == clock
+        trie.check()
+        assert trie.evict(8) == 2  # the index still holds every cached block
+        trie.check()
+    finally:  # the parameter outlives the test: it must not keep the trie alive
+        for item in calls_back:
+            item.trie = None
 
 
 def test_a_namespace_subclass_and_a_lone_surrogate_namespace_are_refused() -> None:
@@ -267,15 +271,15 @@ def test_check_and_snapshot_from_a_monitor_thread_mid_operation_are_refused(
     and reported a false `InvariantViolation` (or a `KeyError`); now both calls
     answer `ConcurrentUse` while an operation runs, and a consistent answer after."""
     trie = kv_trie()
-    adopt = Evictor.adopt_all
+    stored = EventLog.stored  # after the new nodes are attached, on either core
     seen: list[BaseException | None] = []
 
-    def watch_meanwhile(evictor: Evictor, nodes: Any, blocks: Any) -> None:
+    def watch_meanwhile(log: EventLog, *args: Any) -> None:
         seen.append(_in_thread(trie.check))
         seen.append(_in_thread(trie.snapshot))
-        adopt(evictor, nodes, blocks)
+        stored(log, *args)
 
-    monkeypatch.setattr(Evictor, "adopt_all", watch_meanwhile)
+    monkeypatch.setattr(EventLog, "stored", watch_meanwhile)
     serve(trie, PROMPT)
     assert [type(e) for e in seen] == [ConcurrentUse, ConcurrentUse]
     assert "check()" in str(seen[0]) and "snapshot()" in str(seen[1])

@@ -1,8 +1,14 @@
 // `BlockTrie.commit` past its gate in one native call, for the usual commit
 // (cache/attach.py `Attach.commit`, the reference this mirrors step by step): a
-// trie without a host tier, events or an injected key hash, a live sequence with no
-// extra identity whose token ids are uint32. Anything else returns False before
-// anything changed, and the Python core runs the commit.
+// trie without a host tier or an injected key hash, with events off or on the `xxh3`
+// scheme, a live sequence with no extra identity whose token ids are uint32.
+// Anything else returns False before anything changed, and the Python core runs it.
+//
+// With events on, each new block's hash is `XXH3_64bits_withSeed(key, parent hash)`
+// ([R61]: `cache.block_hash`'s plain `xxh3` chain), computed by the very function
+// the `xxhash` package's `xxh3_64_intdigest` calls (its address, found by
+// `cache.native` with ctypes), and the stored run is recorded by the Python
+// `EventLog.stored`, once per commit.
 #pragma once
 
 #include "columns.hpp"
@@ -11,22 +17,29 @@
 
 namespace blocktrie {
 
+using Xxh3WithSeed = uint64_t (*)(const void*, size_t, uint64_t);
+
 class FastAttach {
 public:
     FastAttach(nb::object table, nb::object refs, nb::object free_list, nb::object owner,
-               nb::object sequence_type, nb::object typecode, size_t block_size, int cached_code)
-        : table_(std::move(table)), child_(table_.attr("child")), tokens_(table_.attr("tokens")),
-          block_(table_.attr("block")), tick_(table_.attr("tick")), kids_(table_.attr("kids")),
+               nb::object sequence_type, nb::object typecode, size_t block_size, int cached_code,
+               nb::object events, uintptr_t xxh3)
+        : events_(std::move(events)), xxh3_(reinterpret_cast<Xxh3WithSeed>(xxh3)), table_(std::move(table)), child_(table_.attr("child")), tokens_(table_.attr("tokens")),
+          block_(table_.attr("block")), state_(table_.attr("state")), tick_(table_.attr("tick")), kids_(table_.attr("kids")),
           wide_(table_.attr("wide")), refs_(std::move(refs)), free_(std::move(free_list)),
           owner_(std::move(owner)), sequence_type_(std::move(sequence_type)),
           typecode_(std::move(typecode)), width_(nb::cast<size_t>(table_.attr("width"))),
-          block_size_(block_size), cached_code_(cached_code) {}
+          block_size_(block_size), cached_code_(cached_code) {
+        if (!events_.is_none() && xxh3_ == nullptr) {
+            throw std::invalid_argument("FastAttach: events on need the xxh3 function");
+        }
+    }
 
     // Returns True when the commit is done; False (nothing changed) when the Python
     // core must run it: a sequence that is not live here, a malformed or out-of-range
     // count (the Python core raises), or a request outside the fast path.
     bool commit(nb::handle seq, nb::handle num_tokens, nb::handle trie, nb::handle live,
-                nb::handle evictor, nb::handle attach) {
+                nb::handle evictor, nb::handle attach, nb::handle block_pins) {
         const SpecTables& s = spec();
         // [R3]: live in this trie (the Python core names what is wrong otherwise)
         if (Py_TYPE(seq.ptr()) != reinterpret_cast<PyTypeObject*>(sequence_type_.ptr())) return false;
@@ -82,7 +95,8 @@ public:
             PyObject* key = PyList_GET_ITEM(keys_obj.ptr(), static_cast<Py_ssize_t>(i));
             int32_t child = found_child(parent, key);
             if (child < 0) {  // [R19]: this block and every later one are new
-                attach_new(parent, keys_obj, i, full, blocks_obj, tick, path_obj, evictor, attach);
+                attach_new(parent, keys_obj, i, full, blocks_obj, tick, path_obj, evictor, attach,
+                           seq, block_pins);
                 break;
             }
             int32_t cached;
@@ -150,8 +164,23 @@ private:
     // `Attach._attach_chain` (events off): blocks start..stop-1 as a chain of new
     // nodes under `parent`, linked in, on the request's path.
     void attach_new(int32_t parent, nb::handle keys, size_t start, size_t stop, nb::handle blocks_obj,
-                    nb::handle tick, nb::handle path_obj, nb::handle evictor, nb::handle attach) {
+                    nb::handle tick, nb::handle path_obj, nb::handle evictor, nb::handle attach,
+                    nb::handle seq, nb::handle block_pins) {
         const SpecTables& s = spec();
+        // [R61] the chain's hashes first (events on), parent first
+        std::vector<uint64_t> hashes;
+        uint64_t parent_hash = 0;
+        if (!events_.is_none()) {
+            nb::object column = table_.attr("block_hash");
+            Column<uint64_t> block_hash(column, "block_hash");
+            parent_hash = block_hash[static_cast<size_t>(parent)];
+            uint64_t h = parent_hash;
+            for (size_t i = start; i < stop; ++i) {
+                PyObject* key = PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i));
+                h = xxh3_(PyBytes_AS_STRING(key), static_cast<size_t>(PyBytes_GET_SIZE(key)), h);
+                hashes.push_back(h);
+            }
+        }
         nb::object chain = nb::steal(PyList_GetSlice(blocks_obj.ptr(), static_cast<Py_ssize_t>(start),
                                                      static_cast<Py_ssize_t>(stop)));
         if (!chain.is_valid()) throw nb::python_error();
@@ -184,9 +213,34 @@ private:
         evictor.attr("num_cached") = evictor.attr("num_cached") + nb::int_(count);
         nb::object extended = nb::steal(PySequence_InPlaceConcat(path_obj.ptr(), rows.ptr()));
         if (!extended.is_valid()) throw nb::python_error();
+        if (events_.is_none()) return;
+        // The nodes' hashes, then what `Attach.commit` records: the pins' index ([R66])
+        // and the stored run (`EventLog.stored`)
+        nb::object hash_list = nb::steal(PyList_New(static_cast<Py_ssize_t>(hashes.size())));
+        if (!hash_list.is_valid()) throw nb::python_error();
+        bool under_root;
+        {
+            nb::object column = table_.attr("block_hash");
+            Column<uint64_t> block_hash(column, "block_hash");
+            Column<uint8_t> state(state_, "state");
+            for (size_t j = 0; j < hashes.size(); ++j) {
+                const long row = PyLong_AsLong(PyList_GET_ITEM(rows.ptr(), static_cast<Py_ssize_t>(j)));
+                block_hash[static_cast<size_t>(row)] = hashes[j];
+                PyObject* h = PyLong_FromUnsignedLongLong(hashes[j]);
+                if (h == nullptr) throw nb::python_error();
+                PyList_SET_ITEM(hash_list.ptr(), static_cast<Py_ssize_t>(j), h);
+            }
+            under_root = state[static_cast<size_t>(parent)] == s.root;
+        }
+        nb::object space = seq.attr("namespace");
+        if (nb::cast<bool>(block_pins.attr("indexing"))) block_pins.attr("added")(space, hash_list, rows);
+        nb::object parent_hash_obj = under_root ? nb::none() : nb::object(nb::int_(parent_hash));
+        events_.attr("stored")(parent_hash_obj, hash_list, keys, blocks_obj, start, stop, block_size_, space);
     }
 
-    nb::object table_, child_, tokens_, block_, tick_, kids_, wide_, refs_, free_, owner_;
+    nb::object events_;  // the trie's `EventLog` with events on, else None
+    Xxh3WithSeed xxh3_;
+    nb::object table_, child_, tokens_, block_, state_, tick_, kids_, wide_, refs_, free_, owner_;
     nb::object sequence_type_, typecode_;
     size_t width_, block_size_;
     int cached_code_;

@@ -63,12 +63,13 @@ NB_MODULE(_native, m) {
 
     nb::class_<FastAttach>(m, "FastAttach",
                            "BlockTrie.commit in one call for the usual commit (else False).")
-        .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object, size_t, int>(),
+        .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object, size_t, int,
+                      nb::object, uintptr_t>(),
              nb::arg("table"), nb::arg("refs"), nb::arg("free_list"), nb::arg("owner"),
              nb::arg("sequence_type"), nb::arg("typecode"), nb::arg("block_size"),
-             nb::arg("cached_code"))
+             nb::arg("cached_code"), nb::arg("events").none(), nb::arg("xxh3") = 0)
         .def("commit", &FastAttach::commit, nb::arg("seq"), nb::arg("num_tokens"), nb::arg("trie"),
-             nb::arg("live"), nb::arg("evictor"), nb::arg("attach"));
+             nb::arg("live"), nb::arg("evictor"), nb::arg("attach"), nb::arg("block_pins"));
 
     nb::class_<FastTrie>(m, "FastTrie",
                          "BlockTrie.release and .allocate in one call each for the usual "
