@@ -104,14 +104,14 @@ def test_auto_runs_native_when_it_imports(monkeypatch: pytest.MonkeyPatch) -> No
 def test_native_sources_have_no_lifecycle_literals() -> None:
     """The C++ quotes no state or trigger name (the Python core's rule, same test):
     the codes come from `spec.lifecycle` through `cache.native._configure`. A Python
-    attribute's or argument's name (`.attr("...")`, `.def("...")`, `nb::arg("...")`)
+    attribute's or argument's name (`.def("...")`, `nb::arg("...")`, `BT_NAME("...")`)
     is a name, not a literal, as `__slots__` entries are in the Python test."""
     names = {s for life in LIFECYCLES for s in (*life.states, *life.triggers)}
     offenders = []
     for path in sorted((ROOT / "native" / "src").glob("*.[ch]pp")):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("//", 1)[0]
-            code = re.sub(r'(\.attr|\.def|nb::arg)\(\s*"[^"]*"', "", code)  # names
+            code = re.sub(r'(\.attr|\.def|nb::arg|BT_NAME)\(\s*"[^"]*"', "", code)  # names
             for literal in re.findall(r'"((?:[^"\\]|\\.)*)"', code):
                 if literal in names:
                     offenders.append(f"{path.name}:{lineno}: {literal!r}")

@@ -24,11 +24,11 @@ public:
     FastAttach(nb::object table, nb::object refs, nb::object free_list, nb::object owner,
                nb::object sequence_type, nb::object typecode, size_t block_size, int cached_code,
                nb::object events, uintptr_t xxh3)
-        : events_(std::move(events)), xxh3_(reinterpret_cast<Xxh3WithSeed>(xxh3)), table_(std::move(table)), child_(table_.attr("child")), tokens_(table_.attr("tokens")),
-          block_(table_.attr("block")), state_(table_.attr("state")), tick_(table_.attr("tick")), kids_(table_.attr("kids")),
-          wide_(table_.attr("wide")), refs_(std::move(refs)), free_(std::move(free_list)),
+        : events_(std::move(events)), xxh3_(reinterpret_cast<Xxh3WithSeed>(xxh3)), table_(std::move(table)), child_(table_.attr(BT_NAME("child"))), tokens_(table_.attr(BT_NAME("tokens"))),
+          block_(table_.attr(BT_NAME("block"))), state_(table_.attr(BT_NAME("state"))), tick_(table_.attr(BT_NAME("tick"))), kids_(table_.attr(BT_NAME("kids"))),
+          wide_(table_.attr(BT_NAME("wide"))), refs_(std::move(refs)), free_(std::move(free_list)),
           owner_(std::move(owner)), sequence_type_(std::move(sequence_type)),
-          typecode_(std::move(typecode)), width_(nb::cast<size_t>(table_.attr("width"))),
+          typecode_(std::move(typecode)), width_(nb::cast<size_t>(table_.attr(BT_NAME("width")))),
           block_size_(block_size), cached_code_(cached_code) {
         if (!events_.is_none() && xxh3_ == nullptr) {
             throw std::invalid_argument("FastAttach: events on need the xxh3 function");
@@ -44,26 +44,26 @@ public:
         // [R3]: live in this trie (the Python core names what is wrong otherwise)
         if (Py_TYPE(seq.ptr()) != reinterpret_cast<PyTypeObject*>(sequence_type_.ptr())) return false;
         if (!PyLong_CheckExact(num_tokens.ptr())) return false;
-        nb::object serial = seq.attr("serial");
+        nb::object serial = seq.attr(BT_NAME("serial"));
         PyObject* registered = PyDict_GetItemWithError(live.ptr(), serial.ptr());
         if (registered != seq.ptr()) {
             if (registered == nullptr && PyErr_Occurred()) throw nb::python_error();
             return false;
         }
-        if (!seq.attr("extra").is_none()) return false;
-        nb::object token_list = seq.attr("token_list");
-        if (!token_list.attr("typecode").equal(typecode_)) return false;
+        if (!seq.attr(BT_NAME("extra")).is_none()) return false;
+        nb::object token_list = seq.attr(BT_NAME("token_list"));
+        if (!token_list.attr(BT_NAME("typecode")).equal(typecode_)) return false;
         int overflow = 0;
         const long long n = PyLong_AsLongLongAndOverflow(num_tokens.ptr(), &overflow);
         if (overflow) return false;
-        nb::object blocks_obj = seq.attr("blocks");
-        nb::object path_obj = seq.attr("path");
-        nb::object keys_obj = seq.attr("keys");
+        nb::object blocks_obj = seq.attr(BT_NAME("blocks"));
+        nb::object path_obj = seq.attr(BT_NAME("path"));
+        nb::object keys_obj = seq.attr(BT_NAME("keys"));
         const size_t size = block_size_;
         const long long known = static_cast<long long>(PySequence_Size(token_list.ptr()));
         const long long allocated = static_cast<long long>(PyList_GET_SIZE(blocks_obj.ptr())) * static_cast<long long>(size);
         const long long covered = std::min(known, allocated);
-        const long long committed = nb::cast<long long>(seq.attr("num_committed_tokens"));
+        const long long committed = nb::cast<long long>(seq.attr(BT_NAME("num_committed_tokens")));
         if (!(committed <= n && n <= covered)) return false;  // the Python core refuses it
         const size_t full = static_cast<size_t>(n) / size;
         const size_t start = static_cast<size_t>(PyList_GET_SIZE(path_obj.ptr()));
@@ -78,17 +78,17 @@ public:
             }
         }
         // [R7]: the clock ticks on every commit
-        nb::object tick = trie.attr("_clock") + nb::int_(1);
-        trie.attr("_clock") = tick;
+        nb::object tick = trie.attr(BT_NAME("_clock")) + nb::int_(1);
+        trie.attr(BT_NAME("_clock")) = tick;
         if (start >= full) {
-            seq.attr("num_committed_tokens") = num_tokens;
+            seq.attr(BT_NAME("num_committed_tokens")) = num_tokens;
             return true;
         }
         int32_t parent;
         if (start > 0) {
             parent = nb::cast<int32_t>(nb::handle(PyList_GET_ITEM(path_obj.ptr(), static_cast<Py_ssize_t>(start - 1))));
         } else {
-            parent = nb::cast<int32_t>(attach.attr("namespace_root")(seq.attr("namespace")));  // [R11]
+            parent = nb::cast<int32_t>(attach.attr(BT_NAME("namespace_root"))(seq.attr(BT_NAME("namespace"))));  // [R11]
         }
         std::vector<int32_t> blocks = from_list(blocks_obj, "blocks");
         for (size_t i = start; i < full; ++i) {
@@ -116,14 +116,14 @@ public:
             blocks[i] = cached;
             refs.set(static_cast<size_t>(own), ocount - 1);
             if (ocount == 1) extend_array(free_, {own});
-            evictor.attr("settle")(child);
+            evictor.attr(BT_NAME("settle"))(child);
             IntList ticks(tick_, "tick");
             ticks.set_object(static_cast<size_t>(child), tick.ptr());  // [R8]
             nb::object child_obj = nb::int_(child);
             if (PyList_Append(path_obj.ptr(), child_obj.ptr()) != 0) throw nb::python_error();
             parent = child;
         }
-        seq.attr("num_committed_tokens") = num_tokens;
+        seq.attr(BT_NAME("num_committed_tokens")) = num_tokens;
         return true;
     }
 
@@ -171,7 +171,7 @@ private:
         std::vector<uint64_t> hashes;
         uint64_t parent_hash = 0;
         if (!events_.is_none()) {
-            nb::object column = table_.attr("block_hash");
+            nb::object column = table_.attr(BT_NAME("block_hash"));
             Column<uint64_t> block_hash(column, "block_hash");
             parent_hash = block_hash[static_cast<size_t>(parent)];
             uint64_t h = parent_hash;
@@ -184,7 +184,7 @@ private:
         nb::object chain = nb::steal(PyList_GetSlice(blocks_obj.ptr(), static_cast<Py_ssize_t>(start),
                                                      static_cast<Py_ssize_t>(stop)));
         if (!chain.is_valid()) throw nb::python_error();
-        const int64_t serial = nb::cast<int64_t>(attach.attr("_node_serial"));
+        const int64_t serial = nb::cast<int64_t>(attach.attr(BT_NAME("_node_serial")));
         nb::object rows = attach_chain(table_, parent, keys, start, chain, serial + 1, tick,
                                        cached_code_, owner_, refs_);
         if (rows.is_none()) throw std::logic_error("commit: a plain key was refused");
@@ -206,11 +206,11 @@ private:
             PyObject* key = PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(start));
             if (PyDict_SetItem(kids, key, rows[0].ptr()) != 0) throw nb::python_error();
         } else if (only >= 0) {
-            table_.attr("attach_child")(parent, nb::handle(PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(start))), first);
+            table_.attr(BT_NAME("attach_child"))(parent, nb::handle(PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(start))), first);
         }
         const int64_t count = static_cast<int64_t>(stop - start);
-        attach.attr("_node_serial") = nb::int_(serial + count);
-        evictor.attr("num_cached") = evictor.attr("num_cached") + nb::int_(count);
+        attach.attr(BT_NAME("_node_serial")) = nb::int_(serial + count);
+        evictor.attr(BT_NAME("num_cached")) = evictor.attr(BT_NAME("num_cached")) + nb::int_(count);
         nb::object extended = nb::steal(PySequence_InPlaceConcat(path_obj.ptr(), rows.ptr()));
         if (!extended.is_valid()) throw nb::python_error();
         if (events_.is_none()) return;
@@ -220,7 +220,7 @@ private:
         if (!hash_list.is_valid()) throw nb::python_error();
         bool under_root;
         {
-            nb::object column = table_.attr("block_hash");
+            nb::object column = table_.attr(BT_NAME("block_hash"));
             Column<uint64_t> block_hash(column, "block_hash");
             Column<uint8_t> state(state_, "state");
             for (size_t j = 0; j < hashes.size(); ++j) {
@@ -232,10 +232,10 @@ private:
             }
             under_root = state[static_cast<size_t>(parent)] == s.root;
         }
-        nb::object space = seq.attr("namespace");
-        if (nb::cast<bool>(block_pins.attr("indexing"))) block_pins.attr("added")(space, hash_list, rows);
+        nb::object space = seq.attr(BT_NAME("namespace"));
+        if (nb::cast<bool>(block_pins.attr(BT_NAME("indexing")))) block_pins.attr(BT_NAME("added"))(space, hash_list, rows);
         nb::object parent_hash_obj = under_root ? nb::none() : nb::object(nb::int_(parent_hash));
-        events_.attr("stored")(parent_hash_obj, hash_list, keys, blocks_obj, start, stop, block_size_, space);
+        events_.attr(BT_NAME("stored"))(parent_hash_obj, hash_list, keys, blocks_obj, start, stop, block_size_, space);
     }
 
     nb::object events_;  // the trie's `EventLog` with events on, else None

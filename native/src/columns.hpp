@@ -13,6 +13,14 @@
 #include <string>
 #include <vector>
 
+// An attribute name as an interned `str`, made once per place it is used: nanobind's
+// `attr("name")` would build a new `str` (and hash it) on every call.
+#define BT_NAME(text)                                                           \
+    ([]() -> nanobind::handle {                                                 \
+        static PyObject* const interned = PyUnicode_InternFromString(text);     \
+        return interned;                                                        \
+    }())
+
 namespace blocktrie {
 
 namespace nb = nanobind;
@@ -141,11 +149,19 @@ inline std::vector<int32_t> from_list(nb::handle obj, const char* name) {
     return out;
 }
 
-// Append `values` to an `array('i')` (one call: `array.frombytes`).
+// Append `values` to an `array('i')`: `append` for a few, one `frombytes` for more.
 inline void extend_array(nb::handle arr, const std::vector<int32_t>& values) {
-    if (values.empty()) return;
+    if (values.size() <= 4) {
+        for (int32_t v : values) {
+            nb::object item = nb::int_(v);
+            PyObject* r = PyObject_CallMethodOneArg(arr.ptr(), BT_NAME("append").ptr(), item.ptr());
+            if (r == nullptr) throw nb::python_error();
+            Py_DECREF(r);
+        }
+        return;
+    }
     nb::bytes raw(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(int32_t));
-    arr.attr("frombytes")(raw);
+    arr.attr(BT_NAME("frombytes"))(raw);
 }
 
 }  // namespace blocktrie

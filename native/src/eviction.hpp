@@ -14,6 +14,39 @@
 
 namespace blocktrie {
 
+// `cache.eviction._SETTLED`, the Python core's memo of where `Evictor.settle` moves a
+// node ((state, leaf, refs, pins, on device) -> state code, derived from the spec's
+// routes), read without building a key tuple for an attached device node with no
+// pin: a native copy of the entries read so far, dropped whenever the dict's size
+// changes (an entry added by `Evictor._implied`, or the memo cleared).
+inline int settled_lookup(nb::handle settled, int state, bool leaf, int64_t refs) {
+    static std::unordered_map<uint64_t, int> copy;
+    static PyObject* dict = nullptr;
+    static Py_ssize_t synced = -1;
+    const Py_ssize_t size = PyDict_GET_SIZE(settled.ptr());
+    if (settled.ptr() != dict || size != synced) {
+        copy.clear();
+        dict = settled.ptr();
+        synced = size;
+    }
+    const bool packable = refs >= 0 && refs < (int64_t{1} << 40);
+    const uint64_t key = (static_cast<uint64_t>(refs) << 9) | (static_cast<uint64_t>(leaf) << 8) |
+                         static_cast<uint64_t>(state & 0xFF);
+    if (packable) {
+        auto it = copy.find(key);
+        if (it != copy.end()) return it->second;
+    }
+    nb::object facts = nb::make_tuple(state, leaf, refs, 0, true);
+    PyObject* hit = PyDict_GetItemWithError(settled.ptr(), facts.ptr());
+    if (hit == nullptr) {
+        if (PyErr_Occurred()) throw nb::python_error();
+        return -1;
+    }
+    const int dest = static_cast<int>(PyLong_AsLong(hit));
+    if (packable) copy.emplace(key, dest);
+    return dest;
+}
+
 // Free LRU leaves until `n` blocks are freed or nothing is evictable. `evictor` is
 // the Python `Evictor` (its `_free`, `_implied`, `num_cached`), `table` its
 // `NodeTable`, `kv` its `KVBlockPool`; `settled` is cache.eviction's `_SETTLED`, the
@@ -24,12 +57,12 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
                             nb::handle kv, nb::handle removed, nb::handle settled) {
     if (!PyDict_Check(settled.ptr())) throw std::invalid_argument("evict: settled must be a dict");
     const SpecTables& s = spec();
-    nb::object parents_obj = table.attr("parent"), child_obj = table.attr("child");
-    nb::object block_obj = table.attr("block"), state_obj = table.attr("state");
-    nb::object serial_obj = table.attr("serial"), tick_obj = table.attr("tick");
-    nb::object owner_obj = evictor.attr("owner"), refs_obj = kv.attr("refs");
-    nb::object free_rows_obj = table.attr("free_rows"), kv_free_obj = kv.attr("_free");
-    nb::object wide_obj = table.attr("wide");
+    nb::object parents_obj = table.attr(BT_NAME("parent")), child_obj = table.attr(BT_NAME("child"));
+    nb::object block_obj = table.attr(BT_NAME("block")), state_obj = table.attr(BT_NAME("state"));
+    nb::object serial_obj = table.attr(BT_NAME("serial")), tick_obj = table.attr(BT_NAME("tick"));
+    nb::object owner_obj = evictor.attr(BT_NAME("owner")), refs_obj = kv.attr(BT_NAME("refs"));
+    nb::object free_rows_obj = table.attr(BT_NAME("free_rows")), kv_free_obj = kv.attr(BT_NAME("_free"));
+    nb::object wide_obj = table.attr(BT_NAME("wide"));
     nb::object hash_obj, names_obj, space_obj;
     const bool events = !removed.is_none();
     nb::object removed_hashes, removed_blocks, removed_spaces;
@@ -37,9 +70,13 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
         removed_hashes = removed[0];
         removed_blocks = removed[1];
         removed_spaces = removed[2];
-        hash_obj = table.attr("block_hash");
-        names_obj = table.attr("names");
-        space_obj = table.attr("namespace");
+        if (!PyList_Check(removed_hashes.ptr()) || !PyList_Check(removed_blocks.ptr()) ||
+            !PyList_Check(removed_spaces.ptr())) {
+            throw std::invalid_argument("evict: removed must be three lists");
+        }
+        hash_obj = table.attr(BT_NAME("block_hash"));
+        names_obj = table.attr(BT_NAME("names"));
+        space_obj = table.attr(BT_NAME("namespace"));
     }
     Column<int32_t> parents(parents_obj, "parent");
     Column<int32_t> child(child_obj, "child");
@@ -57,7 +94,7 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
         rows_freed.clear();
         blocks_freed.clear();
         if (nodes_freed) {
-            evictor.attr("num_cached") = nb::int_(nb::cast<int64_t>(evictor.attr("num_cached")) - nodes_freed);
+            evictor.attr(BT_NAME("num_cached")) = nb::int_(nb::cast<int64_t>(evictor.attr(BT_NAME("num_cached"))) - nodes_freed);
             nodes_freed = 0;
         }
     };
@@ -72,24 +109,27 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
             NodeLRU::Entry oldest{};
             while (true) {
                 const int32_t parent = parents[static_cast<size_t>(node)];
-                if (events) {
+                if (events) {  // `BlockRemoved`'s facts, three list appends
                     nb::object h = nb::steal(PySequence_GetItem(hash_obj.ptr(), node));
-                    if (!h.is_valid()) throw nb::python_error();
-                    removed_hashes.attr("append")(h);
-                    removed_blocks.attr("append")(blocks[static_cast<size_t>(node)]);
                     nb::object space = nb::steal(PySequence_GetItem(space_obj.ptr(), node));
-                    if (!space.is_valid()) throw nb::python_error();
-                    removed_spaces.attr("append")(names_obj[space]);
+                    if (!h.is_valid() || !space.is_valid()) throw nb::python_error();
+                    nb::object name = names_obj[space];
+                    nb::object block = nb::int_(blocks[static_cast<size_t>(node)]);
+                    if (PyList_Append(removed_hashes.ptr(), h.ptr()) != 0 ||
+                        PyList_Append(removed_blocks.ptr(), block.ptr()) != 0 ||
+                        PyList_Append(removed_spaces.ptr(), name.ptr()) != 0) {
+                        throw nb::python_error();
+                    }
                 }
                 const int freed_state = s.freed_from[state[static_cast<size_t>(node)]];
                 if (freed_state < 0 || parent == s.no_node) {
                     flush();  // the Python core's `_free`: all of it, or its error
-                    freed += nb::cast<int64_t>(evictor.attr("_free")(node));
+                    freed += nb::cast<int64_t>(evictor.attr(BT_NAME("_free"))(node));
                 } else {
                     if (child[static_cast<size_t>(parent)] == node) {
                         child[static_cast<size_t>(parent)] = s.no_child;
                     } else {
-                        table.attr("detach_child")(parent, node);
+                        table.attr(BT_NAME("detach_child"))(parent, node);
                     }
                     const int32_t block = blocks[static_cast<size_t>(node)];
                     owner[static_cast<size_t>(block)] = s.no_node;
@@ -107,7 +147,7 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
                     const int64_t count = refs.get(static_cast<size_t>(block));
                     if (count <= 0) {
                         flush();
-                        kv.attr("decref")(block);  // raises the pool's double-free error
+                        kv.attr(BT_NAME("decref"))(block);  // raises the pool's double-free error
                         throw std::logic_error("evict: a double free went unrefused");
                     }
                     refs.set(static_cast<size_t>(block), count - 1);
@@ -122,17 +162,11 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
                 int dest = -1;
                 if (pblock != s.no_block) {  // `Evictor._implied`, inlined: no pin, on device
                     const bool leaf = child[static_cast<size_t>(parent)] == s.no_child;
-                    nb::object facts = nb::make_tuple(pstate, leaf, refs.get(static_cast<size_t>(pblock)), 0, true);
-                    PyObject* hit = PyDict_GetItemWithError(settled.ptr(), facts.ptr());
-                    if (hit != nullptr) {
-                        dest = static_cast<int>(PyLong_AsLong(hit));
-                    } else if (PyErr_Occurred()) {
-                        throw nb::python_error();
-                    }
+                    dest = settled_lookup(settled, pstate, leaf, refs.get(static_cast<size_t>(pblock)));
                 }
                 if (dest < 0) {
                     flush();
-                    dest = nb::cast<int>(evictor.attr("_implied")(parent));  // derives or refuses
+                    dest = nb::cast<int>(evictor.attr(BT_NAME("_implied"))(parent));  // derives or refuses
                 }
                 if (dest == pstate) break;
                 if (dest == s.evictable && freed < n && pstate != s.evictable) {

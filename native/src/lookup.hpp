@@ -33,11 +33,11 @@ class FastLookup {
 public:
     FastLookup(nb::object table, nb::object refs, nb::object roots, nb::object sequence_type,
                nb::object array_type, nb::object typecode, size_t block_size)
-        : child_(table.attr("child")), tokens_(table.attr("tokens")), block_(table.attr("block")),
-          state_(table.attr("state")), kids_(table.attr("kids")), wide_(table.attr("wide")),
+        : child_(table.attr(BT_NAME("child"))), tokens_(table.attr(BT_NAME("tokens"))), block_(table.attr(BT_NAME("block"))),
+          state_(table.attr(BT_NAME("state"))), kids_(table.attr(BT_NAME("kids"))), wide_(table.attr(BT_NAME("wide"))),
           refs_(std::move(refs)), roots_(std::move(roots)), sequence_type_(std::move(sequence_type)),
           array_type_(std::move(array_type)), typecode_(std::move(typecode)),
-          width_(nb::cast<size_t>(table.attr("width"))), block_size_(block_size) {}
+          width_(nb::cast<size_t>(table.attr(BT_NAME("width")))), block_size_(block_size) {}
 
     // `BlockTrie.match(tokens, namespace)` past its gate, as `Lookup.match` does it;
     // `serial` is the new sequence's. Returns the live `Sequence`, or None (nothing
@@ -94,25 +94,25 @@ public:
             }
             for (int32_t b : blocks) refs.set(static_cast<size_t>(b), refs.get(static_cast<size_t>(b)) + 1);
         }
-        for (int32_t node : idle) evictor.attr("settle")(node);
+        for (int32_t node : idle) evictor.attr(BT_NAME("settle"))(node);
         const size_t walked = path.size();
         path.resize(usable);
         nb::object seq = sequence_type_(trie, serial, toks, namespace_, nb::none());
-        seq.attr("keys") = keys;
-        seq.attr("branch_step") = nb::int_(static_cast<int64_t>(walked * size));
-        seq.attr("path") = to_list(path);
-        seq.attr("blocks") = to_list(blocks);
+        seq.attr(BT_NAME("keys")) = keys;
+        seq.attr(BT_NAME("branch_step")) = nb::int_(static_cast<int64_t>(walked * size));
+        seq.attr(BT_NAME("path")) = to_list(path);
+        seq.attr(BT_NAME("blocks")) = to_list(blocks);
         nb::int_ hit_obj(hit);
-        seq.attr("num_cached_tokens") = hit_obj;
-        seq.attr("num_committed_tokens") = hit_obj;
+        seq.attr(BT_NAME("num_cached_tokens")) = hit_obj;
+        seq.attr(BT_NAME("num_committed_tokens")) = hit_obj;
         nb::int_ queried(static_cast<int64_t>(n));
-        seq.attr("query_tokens") = queried;
+        seq.attr(BT_NAME("query_tokens")) = queried;
         // [R14], [R69]
-        stats.attr("queries") = stats.attr("queries") + nb::int_(1);
-        stats.attr("query_tokens") = stats.attr("query_tokens") + queried;
-        stats.attr("hit_tokens") = stats.attr("hit_tokens") + hit_obj;
+        stats.attr(BT_NAME("queries")) = stats.attr(BT_NAME("queries")) + nb::int_(1);
+        stats.attr(BT_NAME("query_tokens")) = stats.attr(BT_NAME("query_tokens")) + queried;
+        stats.attr(BT_NAME("hit_tokens")) = stats.attr(BT_NAME("hit_tokens")) + hit_obj;
         nb::object serial_obj = nb::int_(serial);
-        stats.attr("recent").attr("append")(nb::make_tuple(serial_obj, queried, hit_obj));
+        stats.attr(BT_NAME("recent")).attr(BT_NAME("append"))(nb::make_tuple(serial_obj, queried, hit_obj));
         if (PyDict_SetItem(live.ptr(), serial_obj.ptr(), seq.ptr()) != 0) throw nb::python_error();
         return seq;
     }

@@ -109,7 +109,7 @@ inline nb::object attach_chain(nb::handle table, int32_t parent, nb::handle keys
                                nb::handle blocks_obj, int64_t serial, nb::handle tick, int code,
                                nb::handle owner_col, nb::handle refs_obj) {
     spec();
-    const size_t width = nb::cast<size_t>(table.attr("width"));
+    const size_t width = nb::cast<size_t>(table.attr(BT_NAME("width")));
     std::vector<int32_t> blocks = from_list(blocks_obj, "blocks");
     if (!PyList_Check(keys_obj.ptr()) ||
         static_cast<size_t>(PyList_GET_SIZE(keys_obj.ptr())) < start + blocks.size()) {
@@ -127,12 +127,12 @@ inline nb::object attach_chain(nb::handle table, int32_t parent, nb::handle keys
             throw std::invalid_argument("attach_chain: a committed block is free");
         }
     }
-    nb::object rows_obj = table.attr("_take")(blocks.size());  // may grow the columns
+    nb::object rows_obj = table.attr(BT_NAME("_take"))(blocks.size());  // may grow the columns
     std::vector<int32_t> rows = from_list(rows_obj, "rows");
-    nb::object parent_col = table.attr("parent"), child_col = table.attr("child");
-    nb::object block_col = table.attr("block"), tick_col = table.attr("tick");
-    nb::object serial_col = table.attr("serial"), state_col = table.attr("state");
-    nb::object namespace_col = table.attr("namespace"), tokens_col = table.attr("tokens");
+    nb::object parent_col = table.attr(BT_NAME("parent")), child_col = table.attr(BT_NAME("child"));
+    nb::object block_col = table.attr(BT_NAME("block")), tick_col = table.attr(BT_NAME("tick"));
+    nb::object serial_col = table.attr(BT_NAME("serial")), state_col = table.attr(BT_NAME("state"));
+    nb::object namespace_col = table.attr(BT_NAME("namespace")), tokens_col = table.attr(BT_NAME("tokens"));
     Column<int32_t> parents(parent_col, "parent");
     Column<int32_t> child(child_col, "child");
     Column<int32_t> block(block_col, "block");

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "columns.hpp"
+#include "eviction.hpp"
 #include "kv_pool.hpp"
 #include "lru.hpp"
 #include "spec_tables.hpp"
@@ -16,8 +17,8 @@ class FastTrie {
 public:
     FastTrie(nb::object table, nb::object refs, nb::object free_list, nb::object sequence_type,
              nb::object settled, nb::object faults, nb::object fault_point, size_t block_size)
-        : child_(table.attr("child")), block_(table.attr("block")), state_(table.attr("state")),
-          tick_(table.attr("tick")), serial_(table.attr("serial")), checkpoint_(table.attr("checkpoint")),
+        : child_(table.attr(BT_NAME("child"))), block_(table.attr(BT_NAME("block"))), state_(table.attr(BT_NAME("state"))),
+          tick_(table.attr(BT_NAME("tick"))), serial_(table.attr(BT_NAME("serial"))), checkpoint_(table.attr(BT_NAME("checkpoint"))),
           refs_(std::move(refs)), free_(std::move(free_list)), sequence_type_(std::move(sequence_type)),
           settled_(std::move(settled)), faults_(std::move(faults)), fault_point_(std::move(fault_point)),
           block_size_(block_size) {}
@@ -26,10 +27,10 @@ public:
     // deepest node settled (the others keep a child), the sequence retired.
     bool release(nb::handle seq, nb::handle trie, nb::handle live, NodeLRU& index, nb::handle evictor) {
         if (!is_live(seq, live)) return false;
-        if (!seq.attr("match_receipt").is_none() || PyObject_IsTrue(seq.attr("host_path").ptr())) return false;
-        nb::object tick = trie.attr("_clock") + nb::int_(1);
-        trie.attr("_clock") = tick;
-        nb::object path_obj = seq.attr("path");
+        if (!seq.attr(BT_NAME("match_receipt")).is_none() || PyObject_IsTrue(seq.attr(BT_NAME("host_path")).ptr())) return false;
+        nb::object tick = trie.attr(BT_NAME("_clock")) + nb::int_(1);
+        trie.attr(BT_NAME("_clock")) = tick;
+        nb::object path_obj = seq.attr(BT_NAME("path"));
         std::vector<int32_t> path = from_list(path_obj, "path");
         {
             IntList ticks(tick_, "tick");
@@ -38,13 +39,13 @@ public:
             }
             for (int32_t node : path) ticks.set_object(static_cast<size_t>(node), tick.ptr());
         }
-        nb::object loads = seq.attr("loads");
-        if (PyList_Check(loads.ptr()) && PyList_GET_SIZE(loads.ptr()) > 0) seq.attr("loads") = nb::list();
-        const int64_t bad = decref_all(refs_, free_, seq.attr("blocks"));
+        nb::object loads = seq.attr(BT_NAME("loads"));
+        if (PyList_Check(loads.ptr()) && PyList_GET_SIZE(loads.ptr()) > 0) seq.attr(BT_NAME("loads")) = nb::list();
+        const int64_t bad = decref_all(refs_, free_, seq.attr(BT_NAME("blocks")));
         if (bad >= 0) throw std::logic_error("release: a held block was free");
         if (!path.empty()) settle(path.back(), index, evictor);
-        seq.attr("live") = false;
-        nb::object serial = seq.attr("serial");
+        seq.attr(BT_NAME("live")) = false;
+        nb::object serial = seq.attr(BT_NAME("serial"));
         if (PyDict_DelItem(live.ptr(), serial.ptr()) != 0) throw nb::python_error();
         return true;
     }
@@ -55,20 +56,20 @@ public:
         if (!PyLong_CheckExact(num_tokens.ptr()) || !is_live(seq, live)) return false;
         int overflow = 0;
         const long long n = PyLong_AsLongLongAndOverflow(num_tokens.ptr(), &overflow);
-        nb::object token_list = seq.attr("token_list");
+        nb::object token_list = seq.attr(BT_NAME("token_list"));
         const long long known = static_cast<long long>(PySequence_Size(token_list.ptr()));
         if (overflow || n < 0 || n > known) return false;  // the Python core refuses it
-        nb::object blocks = seq.attr("blocks");
+        nb::object blocks = seq.attr(BT_NAME("blocks"));
         const long long size = static_cast<long long>(block_size_);
         const long long need = (n + size - 1) / size - static_cast<long long>(PyList_GET_SIZE(blocks.ptr()));
-        if (PyObject_IsTrue(seq.attr("host_path").ptr()) || PyObject_IsTrue(seq.attr("load_failed").ptr())) {
+        if (PyObject_IsTrue(seq.attr(BT_NAME("host_path")).ptr()) || PyObject_IsTrue(seq.attr(BT_NAME("load_failed")).ptr())) {
             return false;
         }
         if (need <= 0) return true;
         if (need > static_cast<long long>(PySequence_Size(free_.ptr()))) return false;  // make room first
-        if (!faults_.attr("_countdown").is_none()) return false;  // a fault is armed: the Python core
-        faults_.attr("_recent").attr("append")(fault_point_);     // `Faults.check`, not armed
-        faults_.attr("count") = faults_.attr("count") + nb::int_(1);
+        if (!faults_.attr(BT_NAME("_countdown")).is_none()) return false;  // a fault is armed: the Python core
+        faults_.attr(BT_NAME("_recent")).attr(BT_NAME("append"))(fault_point_);     // `Faults.check`, not armed
+        faults_.attr(BT_NAME("count")) = faults_.attr(BT_NAME("count")) + nb::int_(1);
         nb::list taken = take(refs_, free_, static_cast<size_t>(need));
         nb::object extended = nb::steal(PySequence_InPlaceConcat(blocks.ptr(), taken.ptr()));
         if (!extended.is_valid()) throw nb::python_error();
@@ -78,7 +79,7 @@ public:
 private:
     bool is_live(nb::handle seq, nb::handle live) {
         if (Py_TYPE(seq.ptr()) != reinterpret_cast<PyTypeObject*>(sequence_type_.ptr())) return false;
-        nb::object serial = seq.attr("serial");
+        nb::object serial = seq.attr(BT_NAME("serial"));
         PyObject* registered = PyDict_GetItemWithError(live.ptr(), serial.ptr());
         if (registered == nullptr && PyErr_Occurred()) throw nb::python_error();
         return registered == seq.ptr();
@@ -103,13 +104,10 @@ private:
         if (state_now == s.root) return;
         if (block != s.no_block && PyDict_GET_SIZE(checkpoint_.ptr()) == 0) {
             IntList refs(refs_, "refs");
-            nb::object facts = nb::make_tuple(state_now, leaf, refs.get(static_cast<size_t>(block)), 0, true);
-            PyObject* hit = PyDict_GetItemWithError(settled_.ptr(), facts.ptr());
-            if (hit == nullptr && PyErr_Occurred()) throw nb::python_error();
-            if (hit != nullptr) dest = static_cast<int>(PyLong_AsLong(hit));
+            dest = settled_lookup(settled_, state_now, leaf, refs.get(static_cast<size_t>(block)));
         }
         if (dest < 0) {
-            evictor.attr("settle")(node);  // derives (and memoizes) or refuses
+            evictor.attr(BT_NAME("settle"))(node);  // derives (and memoizes) or refuses
             return;
         }
         if (dest == state_now) return;
