@@ -249,15 +249,13 @@ def test_cmake_without_a_toolchain_builds_nothing_and_says_why(
 
 def _editable_checkout() -> Path | None:
     """The checkout `pip install -e` installed the `blocktrie` distribution from (PEP
-    610's `direct_url.json`), or None for any other install."""
-    try:
-        text = metadata.distribution("blocktrie").read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        return None
-    info = json.loads(text or "{}")
-    if not info.get("dir_info", {}).get("editable"):
-        return None
-    return Path(unquote(urlparse(info["url"]).path)).resolve()
+    610's `direct_url.json` of the installed one: the `blocktrie.egg-info` that the
+    build leaves in the checkout has none), or None for any other install."""
+    for distribution in metadata.distributions(name="blocktrie"):
+        info = json.loads(distribution.read_text("direct_url.json") or "{}")
+        if info.get("dir_info", {}).get("editable"):
+            return Path(unquote(urlparse(info["url"]).path)).resolve()
+    return None
 
 
 def test_the_installed_checkout_has_its_native_core() -> None:
