@@ -41,6 +41,10 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     ci_command = next(line for line in ci.splitlines() if "pytest" in line).strip()
     assert ci_command == command
     assert any("blocktrie replay" in b for b in blocks)
+    for page in ("quickstart.md", "testing.md"):
+        text = (ROOT / "docs" / page).read_text()
+        shown = [b.strip() for b in re.findall(r"```bash\n(.*?)\n```", text, re.S) if "pytest" in b]
+        assert shown == [command], f"docs/{page} shows {shown}, not the README's test command"
 
 
 def test_readme_usage_example_runs() -> None:
