@@ -47,9 +47,9 @@ ENV = "BLOCKTRIE_BACKEND"
 """The environment variable that overrides `CacheConfig.backend`."""
 
 HOW_TO_GET_NATIVE = (
-    "install blocktrie where a C++17 compiler and CMake are available "
-    "(pip builds cache._native with scikit-build-core and nanobind), e.g. "
-    "`python -m pip install -e .` in a checkout"
+    "reinstall blocktrie where a C++17 compiler, CMake and Python's headers are "
+    "available (pip builds cache._native with scikit-build-core and nanobind), e.g. "
+    "`python -m pip install -e .` in a checkout (docs/quickstart.md, 'Without a compiler')"
 )
 
 
