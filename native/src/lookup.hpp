@@ -70,8 +70,8 @@ public:
         if (root == nullptr && PyErr_Occurred()) throw nb::python_error();
         std::vector<int32_t> path;
         if (root != nullptr) {
-            nb::list found = walk(keys, static_cast<int32_t>(PyLong_AsLong(root)), child_, tokens_, kids_, width_);
-            path = from_list(found, "path");
+            path.reserve(nblocks);
+            walk_into(path, keys, static_cast<int32_t>(PyLong_AsLong(root)), child_, tokens_, kids_, width_);
         }
         const size_t usable = std::min(path.size(), (static_cast<size_t>(n) - 1) / size);
         const int64_t hit = static_cast<int64_t>(usable * size);

@@ -17,16 +17,15 @@ inline bool holds(Column<uint8_t>& tokens, int32_t node, PyObject* key, size_t w
 
 // [R12] `Lookup._walk`, plain case (every key bytes, no node with a wide key): the
 // nodes under `root` whose keys are the leading `keys`, while a child with the exact
-// key exists.
-inline nb::list walk(nb::handle keys_obj, int32_t root, nb::handle child_obj, nb::handle tokens_obj,
-                     nb::handle kids_obj, size_t width) {
+// key exists, appended to `path`.
+inline void walk_into(std::vector<int32_t>& path, nb::handle keys_obj, int32_t root,
+                      nb::handle child_obj, nb::handle tokens_obj, nb::handle kids_obj, size_t width) {
     const SpecTables& s = spec();
     if (!PyList_Check(keys_obj.ptr()) || !PyDict_Check(kids_obj.ptr())) {
         throw std::invalid_argument("walk: keys must be a list and kids a dict");
     }
     Column<int32_t> child(child_obj, "child");
     Column<uint8_t> tokens(tokens_obj, "tokens");
-    std::vector<int32_t> path;
     int32_t node = root;
     const Py_ssize_t n = PyList_GET_SIZE(keys_obj.ptr());
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -55,6 +54,13 @@ inline nb::list walk(nb::handle keys_obj, int32_t root, nb::handle child_obj, nb
         path.push_back(next);
         node = next;
     }
+}
+
+// `walk_into` as a list (the Python core's `Lookup._walk` calls it).
+inline nb::list walk(nb::handle keys_obj, int32_t root, nb::handle child_obj, nb::handle tokens_obj,
+                     nb::handle kids_obj, size_t width) {
+    std::vector<int32_t> path;
+    walk_into(path, keys_obj, root, child_obj, tokens_obj, kids_obj, width);
     return to_list(path);
 }
 
