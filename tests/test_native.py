@@ -95,6 +95,29 @@ def test_auto_runs_native_when_it_imports(monkeypatch: pytest.MonkeyPatch) -> No
     trie = BlockTrie(CacheConfig(block_size=2, num_blocks=4))
     assert trie.backend == "native"
     assert type(trie._evictor.index).__name__ == "NodeLRU"
+    # the whole-operation paths the paired machine below exercises
+    assert trie._lookup.fast is not None and trie._attach.fast is not None
+    assert trie._fast is not None
+    events = BlockTrie(CacheConfig(block_size=2, num_blocks=4, enable_events=True))
+    assert (events._attach.fast is not None) == (native.xxh3_address() != 0)
+    vllm = BlockTrie(CacheConfig(block_size=2, num_blocks=4, enable_events=True, block_hash="vllm"))
+    assert vllm._attach.fast is None  # sha256 chains: the Python core's commit
+
+
+def test_xxh3_address_is_xxhash_own_function() -> None:
+    """The native commit hashes with the function `xxh3_64_intdigest` calls, or not at
+    all: `xxh3_address` checks it against the package before handing it over."""
+    import ctypes
+
+    xxhash = pytest.importorskip("xxhash")
+    address = native.xxh3_address()
+    if not address:
+        pytest.skip("xxhash's extension exports no XXH3_64bits_withSeed here")
+    fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64)(
+        address
+    )
+    for data, seed in [(b"abc", 0), (bytes(64), 2**63 + 5), (b"\xff" * 100, 7)]:
+        assert fn(data, len(data), seed) == xxhash.xxh3_64_intdigest(data, seed)
 
 
 # ------------------------------------------------------------------ the spec drives it
