@@ -272,6 +272,8 @@ class CopyEngine:
     def collect(self) -> list[Copy]:
         """Remove and return the copies no longer queued, oldest first (the trie's
         `poll()` calls this, then reaps them)."""
+        if not self._inflight:  # the usual poll of an attention-only engine step
+            return []
         finished: list[Copy] = []
         pending: list[Copy] = []
         for copy in self._inflight:

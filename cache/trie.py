@@ -607,9 +607,13 @@ class BlockTrie(TrieCounts):
         failures other threads reported since ([R58]); the calling thread
         becomes the trie's owning thread.
         """
-        with Exclusive(self._gate, "poll()"):
+        if not self._gate.acquire(False):  # the inline gate: once per engine step
+            raise concurrent_use("poll()")
+        try:
             self._completions.claim_and_apply()
             return self._transfers.poll()
+        finally:
+            self._gate.release()
 
     def pin(self, seq: Sequence) -> PinReceipt:
         """Pin `seq`'s restore checkpoint; returns a single-use receipt for `unpin` ([R39]).
