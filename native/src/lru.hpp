@@ -3,8 +3,9 @@
 // its Python API (`add`, `remove`, `oldest`, `in`, `len`, ordered and unordered
 // iteration), so the Python core's modules use either.
 //
-// Layout: an indexed binary min-heap of (tick, serial, node) and each node row's
-// position in it (4 bytes a row). `serial` is unique per node, so the order is total
+// Layout: an indexed binary min-heap of (tick, serial, node) and each member's
+// position in it, in a hash map: memory for the members only (the evictable nodes,
+// mostly leaves, far fewer than the table's rows), none per row of the table. `serial` is unique per node, so the order is total
 // and equals `LRUIndex`'s: equal ticks go oldest-created first. A node's tick is read
 // from the node table when it is added and must not change while it is indexed (the
 // rule `LRUIndex` states).
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <unordered_map>
 
 namespace blocktrie {
 
@@ -33,7 +35,7 @@ public:
     size_t size() const { return heap_.size(); }
 
     bool contains(int64_t node) const {
-        return node >= 0 && static_cast<size_t>(node) < pos_.size() && pos_[static_cast<size_t>(node)] >= 0;
+        return node >= 0 && node <= INT32_MAX && pos_.count(static_cast<int32_t>(node)) > 0;
     }
 
     // Insert `node` (must not be present: `ValueError`), at the tick and serial its
@@ -51,23 +53,22 @@ public:
 
     // Insert with the tick and serial known (a kernel that just read them).
     void insert(const Entry& e) {
-        size_t node = static_cast<size_t>(e.node);
-        if (node >= pos_.size()) pos_.resize(std::max(node + 1, pos_.size() * 2), -1);
         heap_.push_back(e);
-        pos_[node] = static_cast<int32_t>(heap_.size() - 1);
+        pos_[e.node] = static_cast<int32_t>(heap_.size() - 1);
         up(heap_.size() - 1);
     }
 
     // Remove `node`; `false` when it is not indexed.
     bool discard(int32_t node) {
-        if (!contains(node)) return false;
-        size_t i = static_cast<size_t>(pos_[static_cast<size_t>(node)]);
-        pos_[static_cast<size_t>(node)] = -1;
+        auto it = pos_.find(node);
+        if (it == pos_.end()) return false;
+        const size_t i = static_cast<size_t>(it->second);
+        pos_.erase(it);
         Entry last = heap_.back();
         heap_.pop_back();
         if (i < heap_.size()) {
             heap_[i] = last;
-            pos_[static_cast<size_t>(last.node)] = static_cast<int32_t>(i);
+            pos_[last.node] = static_cast<int32_t>(i);
             if (!up(i)) down(i);
         }
         return true;
@@ -126,14 +127,14 @@ private:
 
     void swap(size_t i, size_t j) {
         std::swap(heap_[i], heap_[j]);
-        pos_[static_cast<size_t>(heap_[i].node)] = static_cast<int32_t>(i);
-        pos_[static_cast<size_t>(heap_[j].node)] = static_cast<int32_t>(j);
+        pos_[heap_[i].node] = static_cast<int32_t>(i);
+        pos_[heap_[j].node] = static_cast<int32_t>(j);
     }
 
     nb::object ticks_;    // the node table's `tick` list
     nb::object serials_;  // the node table's `serial` array('q')
     std::vector<Entry> heap_;
-    std::vector<int32_t> pos_;  // node row -> heap position, -1 when not indexed
+    std::unordered_map<int32_t, int32_t> pos_;  // member -> its position in `heap_`
 };
 
 }  // namespace blocktrie
