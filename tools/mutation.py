@@ -157,7 +157,8 @@ def code_digest(path: str, root: Path = ROOT) -> str:
     return hashlib.sha256("\n".join([code, *pragmas]).encode()).hexdigest()
 
 
-def _head_commit(root: Path) -> str:
+def head_commit(root: Path) -> str:
+    """The short hash of `root`'s HEAD ("unknown" outside a git checkout)."""
     done = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
     )
@@ -193,7 +194,7 @@ def holds(rec: Recorded, file: str, root: Path = ROOT) -> bool:
     return bool(rec.code_sha256) and rec.code_sha256 == code_digest(file, root)
 
 
-def _write_record(entries: dict[str, object], path: Path) -> None:
+def write_record(entries: dict[str, object], path: Path) -> None:
     """Write the record's entries, sorted by file (one stable layout for diffs)."""
     path.write_text(json.dumps(dict(sorted(entries.items())), indent=1) + "\n")
 
@@ -208,7 +209,7 @@ def save_record(
     recorded. Each entry keeps the source's SHA-256, its `code_digest`, the file's
     accepted equivalents with their pins, the commit and the date."""
     entries = json.loads(path.read_text()) if path.exists() else {}
-    commit = _head_commit(root)
+    commit = head_commit(root)
     today = datetime.date.today().isoformat()
     kept = [s for s in scores if s.counted or s.not_counted]
     for s in kept:
@@ -220,7 +221,7 @@ def save_record(
             "commit": commit,
             "date": today,
         }
-    _write_record(entries, path)
+    write_record(entries, path)
     return kept
 
 
@@ -255,7 +256,7 @@ def rekey_record(root: Path = ROOT, path: Path = RECORD, listing: Path = EQUIVAL
                 changed = True
         if changed:
             rekeyed.append(file)
-    _write_record(entries, path)
+    write_record(entries, path)
     return rekeyed
 
 
