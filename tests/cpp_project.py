@@ -1,9 +1,10 @@
 """A tiny checkout with a native ``cache._native`` module, for the end-to-end tests
 of the native core's assurance tools (tests/test_cpp_*.py).
 
-It has what the tools need of a checkout and nothing else: a CMake project with the
-project's ``BLOCKTRIE_COVERAGE`` / ``BLOCKTRIE_SANITIZE`` options building
-``_native`` with the Python C API (no nanobind: it builds in about a second), its
+It has what the tools need of a checkout and nothing else: a CMake project building
+``_native`` with the Python C API (no nanobind: it builds in about a second), with
+the ``BLOCKTRIE_COVERAGE`` / ``BLOCKTRIE_SANITIZE`` blocks of the project's own
+CMakeLists.txt (so the tools are tried on the project's flags), its
 sources in ``native/src/``, a ``cache`` package, one test file, and a git
 repository (the tools copy what git lists). Its module:
 
@@ -15,10 +16,14 @@ repository (the tools copy what git lists). Its module:
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sysconfig
+import textwrap
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CMAKE = """\
 cmake_minimum_required(VERSION 3.18)
@@ -28,16 +33,18 @@ option(BLOCKTRIE_SANITIZE "" OFF)
 find_package(Python 3.10 REQUIRED COMPONENTS Interpreter Development.Module)
 Python_add_library(_native MODULE WITH_SOABI native/src/module.cpp)
 target_include_directories(_native PRIVATE native/src)
-if(BLOCKTRIE_COVERAGE)
-  target_compile_options(_native PRIVATE --coverage -O0 -g)
-  target_link_options(_native PRIVATE --coverage)
-endif()
-if(BLOCKTRIE_SANITIZE)
-  target_compile_options(_native PRIVATE -fsanitize=address,undefined -fno-omit-frame-pointer
-                         -fno-sanitize-recover=undefined -g)
-  target_link_options(_native PRIVATE -fsanitize=address,undefined)
-endif()
 """
+
+
+def option_blocks(cmake: str) -> str:
+    """The ``if(BLOCKTRIE_COVERAGE)`` and ``if(BLOCKTRIE_SANITIZE)`` blocks of a
+    CMakeLists.txt, each to its ``endif()``, unindented."""
+    pattern = r"^[ \t]*if\(BLOCKTRIE_(?:COVERAGE|SANITIZE)\)$.*?^[ \t]*endif\(\)$"
+    blocks = re.findall(pattern, cmake, re.MULTILINE | re.DOTALL)
+    if len(blocks) != 2:
+        raise ValueError(f"expected the coverage and sanitizer blocks, found {len(blocks)}")
+    return "".join(textwrap.dedent(block) + "\n" for block in blocks)
+
 
 ARITH = """\
 #pragma once
@@ -112,7 +119,7 @@ def tools_found() -> str | None:
 def make_project(root: Path) -> Path:
     """Write the tiny checkout into `root` (a git repository, nothing committed)."""
     files = {
-        "CMakeLists.txt": CMAKE,
+        "CMakeLists.txt": CMAKE + option_blocks((ROOT / "CMakeLists.txt").read_text()),
         "native/src/arith.hpp": ARITH,
         "native/src/module.cpp": MODULE,
         "cache/__init__.py": "",

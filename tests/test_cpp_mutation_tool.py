@@ -218,13 +218,12 @@ def test_mutation_end_to_end(tmp_path: Path) -> None:
     before = cpp_project.snapshot(root)
     paths = ["native/src/arith.hpp"]
     seen: dict[str, tuple[nm.Mutant, str]] = {}
+    runner = nm.Runner(root, tmp_path / "work", ["tests/test_native*.py"])
     scores, stale = nm.run_mutants(
-        root,
-        tmp_path / "work",
+        runner,
         paths,
         sample=80,  # arith.hpp's share: 8 (23 of the 234 mutants)
         seed=1,
-        tests=["tests/test_native*.py"],
         listing=tmp_path / "none.txt",
         seen=lambda m, outcome: seen.setdefault(m.name, (m, outcome)),
     )
@@ -236,7 +235,6 @@ def test_mutation_end_to_end(tmp_path: Path) -> None:
         assert outcome == (nm.KILLED if mutant.line == 2 else nm.SURVIVED), mutant.describe()
     assert {m.line for m, _ in scored.values()} == {2, 3}, "the sample should hold both"
     # One of each uncounted kind, asked of the runner directly (the build is warm).
-    runner = nm.Runner(root, tmp_path / "work", ["tests/test_native*.py"])
     runner.prepare()
     every = {m.describe(): m for m in nm.generate(root, paths[0])}
     assert runner.outcome(every["line 1: #pragma once -> /*#pragma once*/"]) == nm.SAME_BINARY

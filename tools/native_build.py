@@ -22,6 +22,7 @@ their modification times), so ninja rebuilds only what changed.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import shutil
@@ -300,3 +301,18 @@ def selected_tests(tree: Path, patterns: Sequence[str]) -> list[str]:
 def pytest_command(tests: Sequence[str], args: Sequence[str] = ()) -> list[str]:
     """The pytest command line the tools run (no cache folder, quiet)."""
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *tests]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, work: Path) -> None:
+    """The options every tool takes: ``--tests`` (default `DEFAULT_TESTS`),
+    ``--pytest-arg`` (repeatable) and ``--work-dir`` (default `work`)."""
+    parser.add_argument(
+        "--tests",
+        nargs="+",
+        default=list(DEFAULT_TESTS),
+        help="test files or globs, relative to the checkout, run in this order",
+    )
+    parser.add_argument(
+        "--pytest-arg", action="append", default=[], help="one more pytest argument (repeatable)"
+    )
+    parser.add_argument("--work-dir", type=Path, default=work, help="build folder and tree")

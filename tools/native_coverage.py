@@ -166,16 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Measure the native core's line coverage and gate it on ``--min``."""
     parser = argparse.ArgumentParser(prog="python -m tools.native_coverage", description=__doc__)
     parser.add_argument("--min", type=float, default=95.0, help="minimum line coverage, percent")
-    parser.add_argument(
-        "--tests",
-        nargs="+",
-        default=list(native_build.DEFAULT_TESTS),
-        help="test files or globs, relative to the checkout",
-    )
-    parser.add_argument(
-        "--pytest-arg", action="append", default=[], help="one more pytest argument (repeatable)"
-    )
-    parser.add_argument("--work-dir", type=Path, default=WORK, help="build folder and tree")
+    native_build.add_run_arguments(parser, WORK)
     parser.add_argument("--html", action="store_true", help="also an annotated HTML report")
     args = parser.parse_args(argv)
     try:

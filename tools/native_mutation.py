@@ -75,7 +75,6 @@ from tools.native_build import ROOT, NativeToolError
 WORK = ROOT / "build" / "native-mutation"
 RECORD = Path(__file__).resolve().parent / "native_mutation_scores.json"
 EQUIVALENT = Path(__file__).resolve().parent / "native_equivalent_mutants.txt"
-KILL_TESTS = native_build.DEFAULT_TESTS
 CONTEXT_LINES = 2
 """Lines of context around a mutant's change in the diff its name is the digest of."""
 
@@ -265,8 +264,9 @@ class Runner:
         tests: Sequence[str],
         build_type: str = "Release",
         timeout: float | None = None,
+        pytest_args: Sequence[str] = (),
     ) -> None:
-        self.root, self.work, self.tests = root, work, tests
+        self.root, self.work, self.tests, self.pytest_args = root, work, tests, pytest_args
         self.build_type, self.timeout = build_type, timeout
         self.build_dir = work / "build"
         self.tree = work / "tree"
@@ -296,7 +296,7 @@ class Runner:
         return baseline.seconds
 
     def _tests_command(self) -> list[str]:
-        return native_build.pytest_command(self.selected, ["-x"])
+        return native_build.pytest_command(self.selected, ["-x", *self.pytest_args])
 
     def outcome(self, mutant: Mutant) -> str:
         """Build `mutant` into the tree's module and run the kill tests on it."""
@@ -438,25 +438,21 @@ def report(
 
 
 def run_mutants(
-    root: Path,
-    work: Path,
+    runner: Runner,
     paths: Sequence[str],
     sample: int | None,
     seed: int,
-    tests: Sequence[str] = KILL_TESTS,
-    build_type: str = "Release",
-    timeout: float | None = None,
     listing: Path = EQUIVALENT,
     seen: Callable[[Mutant, str], object] = lambda m, o: None,
 ) -> tuple[list[NativeFileScore], dict[str, list[str]]]:
-    """Generate, sample, build and test (each mutant's outcome printed, and passed
-    to `seen`); returns each file's score and its stale accepted equivalents."""
-    every = native_build.native_sources(root)
-    mutants = {path: generate(root, path) for path in every}
+    """Generate the mutants of the runner's checkout, sample them, build and test
+    those of `paths` (each outcome printed, and passed to `seen`); returns each
+    file's score and its stale accepted equivalents."""
+    every = native_build.native_sources(runner.root)
+    mutants = {path: generate(runner.root, path) for path in every}
     share = shares({path: len(found) for path, found in mutants.items()}, sample)
     planned = sum(len(mutants[p]) if share[p] is None else share[p] or 0 for p in paths)
     print(f"native_mutation: {planned} mutant(s) to score in {len(paths)} file(s)", flush=True)
-    runner = Runner(root, work, tests, build_type, timeout)
     seconds = runner.prepare()
     print(
         f"kill tests: {' '.join(runner.selected)} ({seconds:.1f} s unmutated, "
@@ -496,14 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help=f"keep results in {RECORD.name}")
     parser.add_argument("--recorded", action="store_true", help="gate from the record, run nothing")
     parser.add_argument("--list", action="store_true", help="print every mutant's name and change")
-    parser.add_argument(
-        "--tests", nargs="+", default=list(KILL_TESTS), help="kill tests (files or globs, in order)"
-    )
     parser.add_argument("--timeout", type=float, help="seconds for a mutant's tests")
     parser.add_argument(
         "--build-type", default="Release", help="CMAKE_BUILD_TYPE (default Release)"
     )
-    parser.add_argument("--work-dir", type=Path, default=WORK, help="build folder and tree")
+    native_build.add_run_arguments(parser, WORK)
     parser.add_argument("-v", "--verbose", action="store_true", help="list surviving mutants")
     args = parser.parse_args(argv)
     if args.record and args.recorded:
@@ -522,17 +515,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for mutant in generate(ROOT, path):
                     print(f"{mutant.name}  {mutant.describe()}")
             return 0
-        scores, stale = run_mutants(
-            ROOT,
-            args.work_dir,
-            paths,
-            args.sample,
-            args.seed,
-            args.tests,
-            args.build_type,
-            args.timeout,
-            EQUIVALENT,
+        runner = Runner(
+            ROOT, args.work_dir, args.tests, args.build_type, args.timeout, args.pytest_arg
         )
+        scores, stale = run_mutants(runner, paths, args.sample, args.seed, EQUIVALENT)
     except NativeToolError as exc:
         print(f"native_mutation: {exc}", file=sys.stderr)
         return 2

@@ -149,16 +149,7 @@ def check(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the native core's tests under ASan + UBSan; exit 0 when clean."""
     parser = argparse.ArgumentParser(prog="python -m tools.native_sanitize", description=__doc__)
-    parser.add_argument(
-        "--tests",
-        nargs="+",
-        default=list(native_build.DEFAULT_TESTS),
-        help="test files or globs, relative to the checkout",
-    )
-    parser.add_argument(
-        "--pytest-arg", action="append", default=[], help="one more pytest argument (repeatable)"
-    )
-    parser.add_argument("--work-dir", type=Path, default=WORK, help="build folder and tree")
+    native_build.add_run_arguments(parser, WORK)
     parser.add_argument("--build-type", default="Debug", help="CMAKE_BUILD_TYPE (default Debug)")
     args = parser.parse_args(argv)
     try:
