@@ -11,7 +11,8 @@ repository (the tools copy what git lists). Its module:
 - ``sub(a, b)``: checked by the test (every mutant of it that builds is killed);
 - ``twice(a)``: never called (its lines are uncovered, its mutants survive);
 - ``read(i)``: element ``i`` of a 4-element heap array (``READ_AT=4`` in the
-  environment makes the test read past its end).
+  environment makes the test read past its end); a negative ``i`` throws a C++
+  exception, caught and raised as ``IndexError``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ inline long twice(long a) { return a * 2; }
 MODULE = """\
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdexcept>
 #include "arith.hpp"
 
 static PyObject* py_sub(PyObject*, PyObject* args) {
@@ -72,6 +74,12 @@ static PyObject* py_twice(PyObject*, PyObject* args) {
 static PyObject* py_read(PyObject*, PyObject* args) {
     long i;
     if (!PyArg_ParseTuple(args, "l", &i)) return nullptr;
+    try {
+        if (i < 0) throw std::out_of_range("negative index");
+    } catch (const std::out_of_range& e) {
+        PyErr_SetString(PyExc_IndexError, e.what());
+        return nullptr;
+    }
     int* values = new int[4]{1, 2, 3, 4};
     long value = values[i];
     delete[] values;
@@ -93,6 +101,8 @@ PyMODINIT_FUNC PyInit__native() { return PyModule_Create(&module); }
 TEST = """\
 import os
 
+import pytest
+
 from cache import _native
 
 
@@ -103,6 +113,8 @@ def test_sub() -> None:
 
 def test_read() -> None:
     assert _native.read(int(os.environ.get("READ_AT", "3"))) == 4
+    with pytest.raises(IndexError, match="negative index"):  # a C++ exception, caught
+        _native.read(-1)
 """
 
 

@@ -99,9 +99,11 @@ def zero_counters(build_dir: Path) -> int:
 def gcovr_command(build_dir: Path, work: Path, html: bool) -> list[str]:
     """gcovr over `build_dir`'s counters, run from the tree, kept to ``native/src/``:
     a JSON summary and a text report (lines not covered) in `work`, and an annotated
-    HTML report in ``work/html/`` with `html`. ``$GCOV`` names another gcov (it
-    must match the compiler)."""
-    command = [sys.executable, "-m", "gcovr", "--root", ".", "--filter"]
+    HTML report in ``work/html/`` with `html`. ``--merge-lines``: a line of a
+    template counts once, covered when any of its instances ran it (gcovr 8 would
+    otherwise count it once per instance). ``$GCOV`` names another gcov (it must
+    match the compiler)."""
+    command = [sys.executable, "-m", "gcovr", "--root", ".", "--merge-lines", "--filter"]
     command.append(re.escape(native_build.SOURCE_DIR + "/"))
     command += ["--json-summary", str(work / "coverage.json"), "--txt", str(work / "coverage.txt")]
     if html:

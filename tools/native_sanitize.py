@@ -8,8 +8,11 @@ away, ``assert`` on), and runs the tests that exercise the native core (default
 ``tests/test_native*.py tests/test_differential.py``, ``BLOCKTRIE_BACKEND=native``,
 ``CI=true``) with:
 
-- ``LD_PRELOAD=<the compiler's libasan.so>``: the interpreter is not instrumented,
-  and ASan's runtime must be loaded before anything else;
+- ``LD_PRELOAD=<the compiler's libasan.so> <its libstdc++.so>``: the interpreter
+  is not instrumented, and ASan's runtime must be loaded before anything else;
+  the C++ runtime with it, because ASan finds the functions it intercepts when it
+  starts, and the interpreter does not load libstdc++ (without it, the first C++
+  exception thrown ends the process in ASan's ``__cxa_throw`` interceptor);
 - ``ASAN_OPTIONS=detect_leaks=0``: CPython keeps objects alive until exit by
   design, and LeakSanitizer would report them; the module's own leaks are
   nanobind's checker's (``tests/test_native_leaks.py``);
@@ -60,30 +63,35 @@ def compiler(build_dir: Path) -> str:
     raise NativeToolError(f"no C++ compiler in {build_dir / 'CMakeCache.txt'}")
 
 
-def asan_runtime(cxx: str) -> str:
-    """The path of `cxx`'s ASan runtime (``-print-file-name=libasan.so``)."""
-    done = native_build.run([cxx, "-print-file-name=libasan.so"], cwd=Path.cwd())
+PRELOADED = ("libasan.so", "libstdc++.so")
+"""The libraries loaded before the interpreter: ASan's runtime, then the C++ runtime
+(see the module's doc)."""
+
+
+def library(cxx: str, name: str) -> str:
+    """The real file of `cxx`'s library `name` (``-print-file-name``, links followed)."""
+    done = native_build.run([cxx, f"-print-file-name={name}"], cwd=Path.cwd())
     path = done.output.strip()
     if not done.ok or not os.path.isabs(path) or not os.path.exists(path):
-        raise NativeToolError(f"{cxx} has no ASan runtime (libasan.so): {path!r}")
-    return path
+        raise NativeToolError(f"{cxx} has no {name}: {path!r}")
+    return str(Path(path).resolve())
 
 
 def sanitizer_env(
-    runtime: str, logs: Path, environ: Mapping[str, str] | None = None
+    preload: Sequence[str], logs: Path, environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """The variables that run Python with the sanitized module (see the module's
-    doc); ASan's reports go to ``logs/asan.<pid>``. Options already
-    in `environ` (default: this process's) come after the tool's, so they win."""
+    doc): `preload` first in ``LD_PRELOAD``; ASan's reports go to
+    ``logs/asan.<pid>``. Options already in `environ` (default: this process's)
+    come after the tool's, so they win."""
     environ = os.environ if environ is None else environ
 
     def options(name: str, ours: Sequence[str]) -> str:
         given = [environ[name]] if environ.get(name) else []
         return ":".join([*ours, *given])
 
-    preload = [runtime, *filter(None, [environ.get("LD_PRELOAD")])]
     return {
-        "LD_PRELOAD": " ".join(preload),
+        "LD_PRELOAD": " ".join([*preload, *filter(None, [environ.get("LD_PRELOAD")])]),
         "ASAN_OPTIONS": options("ASAN_OPTIONS", (*ASAN_OPTIONS, f"log_path={logs / 'asan'}")),
         "UBSAN_OPTIONS": options("UBSAN_OPTIONS", UBSAN_OPTIONS),
         "PYTHONMALLOC": "malloc",
@@ -127,8 +135,9 @@ def check(
     logs = work / "reports"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
-    runtime = asan_runtime(compiler(work / "build"))
-    env = native_build.run_env(tree, sanitizer_env(runtime, logs))
+    cxx = compiler(work / "build")
+    preload = [library(cxx, name) for name in PRELOADED]
+    env = native_build.run_env(tree, sanitizer_env(preload, logs))
     try:
         mapped = native_build.imported_module(tree, env, module)
     except NativeToolError as exc:  # importing the module may itself be what goes wrong
