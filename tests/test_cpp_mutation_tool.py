@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# The tool shares tools.mutation's record machinery, which reads pyproject.toml
+# with `tomllib` (Python 3.11+); the package supports 3.10.
+pytest.importorskip("tomllib", reason="tools.mutation needs Python 3.11 (tomllib)")
+
 from tests import cpp_project
 from tools import mutation
 from tools import native_mutation as nm
