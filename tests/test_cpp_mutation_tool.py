@@ -247,3 +247,34 @@ def test_mutation_end_to_end(tmp_path: Path) -> None:
     runner.finish()
     assert cpp_project.snapshot(root) == before
     assert (tmp_path / "work/tree/native/src/arith.hpp").read_text() == cpp_project.ARITH
+
+
+def test_main_records_a_run_unless_an_accepted_equivalent_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--record` writes nothing while a file's list names a mutant it no longer
+    has; once fixed, it records every file run, and `--recorded` gates from that."""
+    record, listing = tmp_path / "scores.json", _listing(tmp_path)
+    monkeypatch.setattr(nm, "RECORD", record)
+    monkeypatch.setattr(nm, "EQUIVALENT", listing)
+    path = "native/src/lru.hpp"
+    stale: dict[str, list[str]] = {path: [f"{path}:0123456789ab"]}
+
+    def run_mutants(
+        runner: nm.Runner, paths: list[str], sample: int | None, seed: int, listing: Path
+    ) -> tuple[list[nm.NativeFileScore], dict[str, list[str]]]:
+        assert paths == [path] and sample == 5 and seed == 2
+        return [nm.NativeFileScore(path, killed=5, mutants=900, share=5)], stale
+
+    monkeypatch.setattr(nm, "run_mutants", run_mutants)
+    argv = ["--paths", path, "--sample", "5", "--seed", "2", "--record"]
+    assert nm.main(argv) == 1
+    assert "stale accepted equivalent (no such mutant now): native/src/lru.hpp:0123456789ab" in (
+        capsys.readouterr().err
+    )
+    assert not record.exists()
+    stale.clear()
+    assert nm.main(argv) == 0
+    assert nm.load_record(record)[path].score.killed == 5
+    assert nm.main(["--recorded", "--paths", path]) == 0
+    assert nm.main(["--recorded"]) == 1  # the other files were never recorded

@@ -179,6 +179,30 @@ def test_coverage_counters_are_cleared_and_gcovr_kept_to_native_src(tmp_path: Pa
     assert "--merge-lines" in command  # a template's line counts once
 
 
+def test_coverage_main_exits_0_1_or_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "coverage.txt").write_text("gcovr's report\n")
+    result = native_coverage.Coverage([native_coverage.FileCoverage("native/src/a.cpp", 96, 100)])
+    outcome: list[object] = [(result, True)]
+
+    def measure(*args: object) -> object:
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+    monkeypatch.setattr(native_coverage, "measure", measure)
+    argv = ["--work-dir", str(tmp_path)]
+    assert native_coverage.main(argv) == 0
+    assert "gcovr's report" in capsys.readouterr().out
+    assert native_coverage.main([*argv, "--min", "97"]) == 1
+    outcome[0] = (result, False)
+    assert native_coverage.main(argv) == 1
+    outcome[0] = NativeToolError("no compiler")
+    assert native_coverage.main(argv) == 2
+    assert "native_coverage: no compiler" in capsys.readouterr().err
+
+
 # -- sanitizers -------------------------------------------------------------------------
 
 
@@ -221,6 +245,28 @@ def test_the_compiler_is_read_from_cmakes_cache(tmp_path: Path) -> None:
     (tmp_path / "CMakeCache.txt").write_text("X:BOOL=ON\n")
     with pytest.raises(NativeToolError, match="no C\\+\\+ compiler"):
         native_sanitize.compiler(tmp_path)
+
+
+def test_sanitize_main_is_clean_only_with_passing_tests_and_no_report(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outcome: list[object] = [(True, [])]
+
+    def check(*args: object) -> object:
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+    monkeypatch.setattr(native_sanitize, "check", check)
+    assert native_sanitize.main([]) == 0
+    assert capsys.readouterr().out.endswith("native_sanitize: clean\n")
+    outcome[0] = (True, ["==1==ERROR: AddressSanitizer: heap-use-after-free"])
+    assert native_sanitize.main([]) == 1
+    assert "heap-use-after-free" in capsys.readouterr().out
+    outcome[0] = (False, [])
+    assert native_sanitize.main([]) == 1
+    outcome[0] = NativeToolError("the build failed")
+    assert native_sanitize.main([]) == 2
 
 
 # -- end to end -------------------------------------------------------------------------

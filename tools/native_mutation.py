@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"not recorded: fix {EQUIVALENT.name} first", file=sys.stderr)
             return 1
         save_record(scores, args.seed, ROOT, RECORD, EQUIVALENT)
-        print(f"recorded {len(scores)} file(s) in {RECORD.relative_to(ROOT)}")
+        print(f"recorded {len(scores)} file(s) in {RECORD}")
     return 0 if ok else 1
 
 
