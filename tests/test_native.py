@@ -242,6 +242,66 @@ def test_pool_kernels_are_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
         assert kv.free_ids()[-2:] == [taken[2], taken[0]]
 
 
+@needs_native
+def test_native_match_reads_every_uint32_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids on both sides of 2**30 (one digit of a CPython int, read directly) and of
+    2**32 (the Python core's uint64 keys) are stored and matched as the Python core
+    does."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    ids = [0, 1, 2**30 - 1, 2**30, 2**31 + 5, 2**32 - 1, 2**32, 2**40]
+    for prompt in (ids[:6] * 2, ids * 2, [2**31 + 5, 7] * 3):
+        seqs = []
+        for backend in ("python", "native"):
+            trie = BlockTrie(CacheConfig(block_size=2, num_blocks=32, backend=backend))
+            seq = trie.match(prompt)
+            assert seq.tokens == tuple(prompt)
+            trie.allocate(seq, len(prompt))
+            trie.commit(seq, len(prompt))
+            trie.release(seq)
+            again = trie.match(prompt + [3])
+            seqs.append((again.num_cached_tokens, again.block_ids, trie.snapshot()))
+        assert seqs[0] == seqs[1]
+        assert seqs[0][0] == len(prompt) // 2 * 2
+
+
+@needs_native
+def test_the_spec_tables_are_refused_whole_when_malformed() -> None:
+    """`configure` checks every code before it replaces the tables: a refusal leaves
+    the kernels running on the spec's."""
+    assert NATIVE is not None
+    before = NATIVE.tables()
+    root, evictable, freed_from = before
+    for bad in ({256: 1}, {-1: 1}, {1: 256}, {1: -3}):
+        with pytest.raises(ValueError, match="state codes are bytes"):
+            NATIVE.configure(root, evictable, {**freed_from, **bad}, -1, -1, -2, -1)
+    assert NATIVE.tables() == before
+
+
+@needs_native
+def test_kernels_refuse_malformed_columns_by_name() -> None:
+    """A column of the wrong item size or kind is refused with its name, before any
+    change (the Python core never sends one: these are the kernels' own guards)."""
+    from array import array
+
+    assert NATIVE is not None
+    refs = [0, 1, 1, 0]
+    with pytest.raises(ValueError, match="column free_list: items of 4 bytes"):
+        NATIVE.take(refs, array("q", [3]), 1)
+    with pytest.raises(ValueError, match="column refs must be a list"):
+        NATIVE.incref_all(array("i", refs), [1])
+    with pytest.raises(ValueError, match="blocks must be a list"):
+        NATIVE.decref_all(refs, array("i"), (1,))
+    with pytest.raises(ValueError, match="walk: keys must be a list and kids a dict"):
+        NATIVE.walk((b"",), 0, array("i", [-1]), bytearray(8), {}, 8)
+    with pytest.raises(ValueError, match="column state: items of 1 bytes"):
+        NATIVE.hold_path([0], array("i", [0]), array("i", [0]), refs)
+    with pytest.raises(IndexError, match="set_ticks: no such node"):
+        NATIVE.set_ticks([0, 0], [2], 5)
+    with pytest.raises(ValueError, match="hold_path: a held node's block is free"):
+        NATIVE.hold_path([0], array("i", [3]), bytearray(1), refs)
+    assert refs == [0, 1, 1, 0]
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)

@@ -86,7 +86,8 @@ private:
     PyObject* list_;
 };
 
-// The value of `item`, an exact `int`, when it is in [0, 2**32); false otherwise (a
+// The value of `item`, an exact `int` (no subclass: nothing of the caller's runs),
+// when it is in [0, 2**32); false otherwise (a
 // negative or larger id: the caller's slow path decides). Small ints are read from
 // their single digit where the interpreter exposes it (a token id is almost always
 // below 2**30), the C API otherwise.
@@ -109,12 +110,11 @@ inline bool small_uint(PyObject* item, uint32_t& out) {
         return true;
     }
 #endif
+    // An exact `int` (the caller checked) converts without raising: only the range
+    // can refuse it.
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow || v < 0 || v > 0xFFFFFFFFLL) {
-        if (v == -1 && PyErr_Occurred()) PyErr_Clear();
-        return false;
-    }
+    if (overflow || v < 0 || v > 0xFFFFFFFFLL) return false;
     out = static_cast<uint32_t>(v);
     return true;
 }
