@@ -258,7 +258,7 @@ def test_native_match_reads_every_uint32_id(monkeypatch: pytest.MonkeyPatch) -> 
             trie.allocate(seq, len(prompt))
             trie.commit(seq, len(prompt))
             trie.release(seq)
-            again = trie.match(prompt + [3])
+            again = trie.match([*prompt, 3])
             seqs.append((again.num_cached_tokens, again.block_ids, trie.snapshot()))
         assert seqs[0] == seqs[1]
         assert seqs[0][0] == len(prompt) // 2 * 2
