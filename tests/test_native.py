@@ -19,6 +19,7 @@ time with ``BLOCKTRIE_BACKEND=native`` (``.ci/run``).
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -343,9 +344,14 @@ class PairedBackends(RuleBasedStateMachine):
                 )
             )
 
-        self.py = make("python")
-        self.nat = make("native")
-        assert self.nat.backend == "native"
+        env = os.environ.pop(native.ENV, None)  # this pair names its backends itself
+        try:
+            self.py = make("python")
+            self.nat = make("native")
+        finally:
+            if env is not None:
+                os.environ[native.ENV] = env
+        assert (self.py.backend, self.nat.backend) == ("python", "native")
 
     @rule(
         target=seqs,

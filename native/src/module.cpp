@@ -58,7 +58,7 @@ NB_MODULE(_native, m) {
         .def(nb::init<nb::object, nb::object, nb::object, nb::object, nb::object, nb::object, size_t>(),
              nb::arg("table"), nb::arg("refs"), nb::arg("roots"), nb::arg("sequence_type"),
              nb::arg("array_type"), nb::arg("typecode"), nb::arg("block_size"))
-        .def("match", &FastLookup::match, nb::arg("tokens"), nb::arg("namespace"), nb::arg("trie"),
+        .def("match", &FastLookup::match, nb::arg("tokens").none(), nb::arg("namespace").none(), nb::arg("trie"),
              nb::arg("stats"), nb::arg("live"), nb::arg("evictor"), nb::arg("serial"));
 
     nb::class_<FastAttach>(m, "FastAttach",
@@ -68,7 +68,7 @@ NB_MODULE(_native, m) {
              nb::arg("table"), nb::arg("refs"), nb::arg("free_list"), nb::arg("owner"),
              nb::arg("sequence_type"), nb::arg("typecode"), nb::arg("block_size"),
              nb::arg("cached_code"), nb::arg("events").none(), nb::arg("xxh3") = 0)
-        .def("commit", &FastAttach::commit, nb::arg("seq"), nb::arg("num_tokens"), nb::arg("trie"),
+        .def("commit", &FastAttach::commit, nb::arg("seq").none(), nb::arg("num_tokens").none(), nb::arg("trie"),
              nb::arg("live"), nb::arg("evictor"), nb::arg("attach"), nb::arg("block_pins"));
 
     nb::class_<FastTrie>(m, "FastTrie",
@@ -78,9 +78,9 @@ NB_MODULE(_native, m) {
                       nb::object, size_t>(),
              nb::arg("table"), nb::arg("refs"), nb::arg("free_list"), nb::arg("sequence_type"),
              nb::arg("settled"), nb::arg("faults"), nb::arg("fault_point"), nb::arg("block_size"))
-        .def("release", &FastTrie::release, nb::arg("seq"), nb::arg("trie"), nb::arg("live"),
+        .def("release", &FastTrie::release, nb::arg("seq").none(), nb::arg("trie"), nb::arg("live"),
              nb::arg("index"), nb::arg("evictor"))
-        .def("allocate", &FastTrie::allocate, nb::arg("seq"), nb::arg("num_tokens"), nb::arg("live"));
+        .def("allocate", &FastTrie::allocate, nb::arg("seq").none(), nb::arg("num_tokens").none(), nb::arg("live"));
 
     m.def("incref_all", &incref_all, nb::arg("refs"), nb::arg("blocks"));
     m.def("decref_all", &decref_all, nb::arg("refs"), nb::arg("free_list"), nb::arg("blocks"));
