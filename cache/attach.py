@@ -72,7 +72,8 @@ class Attach:
         self._node_serial = 0
         self.fast = None
         """The native core's `FastAttach` (the whole of `BlockTrie.commit` for the usual
-        commit), when the trie runs it without a host tier, events or key hash."""
+        commit), when the trie runs it without a host tier or key hash, with events off
+        or on the `xxh3` scheme (hashed by xxhash's own C function)."""
         native = kv.native
         if native is not None and host is None and self._key_hash is None:
             # events on: the plain xxh3 chain, hashed by xxhash's own C function

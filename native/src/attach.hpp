@@ -161,8 +161,9 @@ private:
         return static_cast<int32_t>(PyLong_AsLong(found));
     }
 
-    // `Attach._attach_chain` (events off): blocks start..stop-1 as a chain of new
-    // nodes under `parent`, linked in, on the request's path.
+    // `Attach._attach_chain` (and, events on, `EventLog.chain_hashes` and the stored
+    // run): blocks start..stop-1 as a chain of new nodes under `parent`, linked in, on
+    // the request's path.
     void attach_new(int32_t parent, nb::handle keys, size_t start, size_t stop, nb::handle blocks_obj,
                     nb::handle tick, nb::handle path_obj, nb::handle evictor, nb::handle attach,
                     nb::handle seq, nb::handle block_pins) {
