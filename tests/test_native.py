@@ -292,6 +292,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         NATIVE.incref_all(array("i", refs), [1])
     with pytest.raises(ValueError, match="blocks must be a list"):
         NATIVE.decref_all(refs, array("i"), (1,))
+    with pytest.raises(TypeError):  # an item that is no int: Python's own error
+        NATIVE.incref_all(refs, [1, "2"])
     with pytest.raises(ValueError, match="walk: keys must be a list and kids a dict"):
         NATIVE.walk((b"",), 0, array("i", [-1]), bytearray(8), {}, 8)
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
