@@ -47,6 +47,16 @@ inline int settled_lookup(nb::handle settled, int state, bool leaf, int64_t refs
     return dest;
 }
 
+// `Evictor._enter`: `node` (in state `now`) moves to `dest`, a new state; the index
+// holds exactly the evictable nodes (invariant 7).
+inline void enter(NodeLRU& index, Column<uint8_t>& state, int32_t node, int now, int dest,
+                  int64_t tick, int64_t serial) {
+    const SpecTables& s = spec();
+    if (now == s.evictable) index.discard(node);
+    state[static_cast<size_t>(node)] = static_cast<uint8_t>(dest);
+    if (dest == s.evictable) index.insert(NodeLRU::Entry{tick, serial, node});
+}
+
 // Free LRU leaves until `n` blocks are freed or nothing is evictable. `evictor` is
 // the Python `Evictor` (its `_free`, `_implied`, `num_cached`), `table` its
 // `NodeTable`, `kv` its `KVBlockPool`; `settled` is cache.eviction's `_SETTLED`, the
@@ -183,13 +193,8 @@ inline int64_t evict_inline(int64_t n, NodeLRU& index, nb::handle evictor, nb::h
                         continue;
                     }
                 }
-                // `Evictor._enter`: the index holds exactly the evictable nodes (invariant 7)
-                if (pstate == s.evictable) index.discard(parent);
-                state[static_cast<size_t>(parent)] = static_cast<uint8_t>(dest);
-                if (dest == s.evictable) {
-                    index.insert(NodeLRU::Entry{ticks.get(static_cast<size_t>(parent)),
-                                                serials[static_cast<size_t>(parent)], parent});
-                }
+                enter(index, state, parent, pstate, dest, ticks.get(static_cast<size_t>(parent)),
+                      serials[static_cast<size_t>(parent)]);
                 break;
             }
         }

@@ -44,7 +44,7 @@ public:
     // changed) when the request needs the Python core.
     nb::object match(nb::handle tokens, nb::handle namespace_, nb::handle trie, nb::handle stats,
                      nb::handle live, nb::handle evictor, int64_t serial) {
-        const SpecTables& s = spec();
+        spec();  // configured (the kernels below read its codes)
         if (!PyList_CheckExact(tokens.ptr()) || !PyUnicode_CheckExact(namespace_.ptr()) ||
             !PyUnicode_IS_ASCII(namespace_.ptr()) || PyDict_GET_SIZE(wide_.ptr()) > 0) {
             return nb::none();
@@ -78,22 +78,7 @@ public:
         // [R6]: the references, after every check
         std::vector<int32_t> blocks;
         std::vector<int32_t> idle;
-        blocks.reserve(usable);
-        {
-            Column<int32_t> block(block_, "block");
-            Column<uint8_t> state(state_, "state");
-            IntList refs(refs_, "refs");
-            for (size_t i = 0; i < usable; ++i) {
-                const size_t node = static_cast<size_t>(path[i]);
-                const int32_t b = block[node];
-                if (b < 0 || static_cast<size_t>(b) >= refs.size() || refs.get(static_cast<size_t>(b)) <= 0) {
-                    throw std::invalid_argument("match: a held node's block is free");
-                }
-                blocks.push_back(b);
-                if (state[node] == s.evictable) idle.push_back(path[i]);
-            }
-            for (int32_t b : blocks) refs.set(static_cast<size_t>(b), refs.get(static_cast<size_t>(b)) + 1);
-        }
+        hold(path, usable, block_, state_, refs_, blocks, idle);
         for (int32_t node : idle) evictor.attr(BT_NAME("settle"))(node);
         const size_t walked = path.size();
         path.resize(usable);

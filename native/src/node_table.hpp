@@ -64,24 +64,23 @@ inline nb::list walk(nb::handle keys_obj, int32_t root, nb::handle child_obj, nb
     return to_list(path);
 }
 
-// `Lookup.match`'s taking of the hit: the device blocks of `held` (a path), each
-// given one more reference ([R6]: after every check), and the nodes among them that
-// were `evictable` (the caller settles them out of the index). Returns
-// (blocks, evictable nodes), or raises ValueError before changing anything when a
-// block is free (cannot happen on a consistent trie).
-inline nb::tuple hold_path(nb::handle held_obj, nb::handle block_obj, nb::handle state_obj,
-                           nb::handle refs_obj) {
+// `Lookup.match`'s taking of the hit: the device blocks of `held[0..count)` (a path)
+// into `blocks`, each given one more reference ([R6]: after every check), and the
+// nodes among them that were `evictable` into `idle` (the caller settles them out of
+// the index). Raises ValueError before changing anything when a block is free
+// (cannot happen on a consistent trie).
+inline void hold(const std::vector<int32_t>& held, size_t count, nb::handle block_obj,
+                 nb::handle state_obj, nb::handle refs_obj, std::vector<int32_t>& blocks,
+                 std::vector<int32_t>& idle) {
     const SpecTables& s = spec();
-    std::vector<int32_t> held = from_list(held_obj, "held");
-    std::vector<int32_t> blocks;
-    std::vector<int32_t> idle;
-    blocks.reserve(held.size());
+    blocks.reserve(count);
     {
         Column<int32_t> block(block_obj, "block");
         Column<uint8_t> state(state_obj, "state");
-        for (int32_t node : held) {
-            blocks.push_back(block[static_cast<size_t>(node)]);
-            if (state[static_cast<size_t>(node)] == s.evictable) idle.push_back(node);
+        for (size_t i = 0; i < count; ++i) {
+            const size_t node = static_cast<size_t>(held[i]);
+            blocks.push_back(block[node]);
+            if (state[node] == s.evictable) idle.push_back(held[i]);
         }
     }
     IntList refs(refs_obj, "refs");
@@ -91,6 +90,15 @@ inline nb::tuple hold_path(nb::handle held_obj, nb::handle block_obj, nb::handle
         }
     }
     for (int32_t b : blocks) refs.set(static_cast<size_t>(b), refs.get(static_cast<size_t>(b)) + 1);
+}
+
+// `hold` over a whole list: (blocks, evictable nodes), for the Python core's `match`.
+inline nb::tuple hold_path(nb::handle held_obj, nb::handle block_obj, nb::handle state_obj,
+                           nb::handle refs_obj) {
+    std::vector<int32_t> held = from_list(held_obj, "held");
+    std::vector<int32_t> blocks;
+    std::vector<int32_t> idle;
+    hold(held, held.size(), block_obj, state_obj, refs_obj, blocks, idle);
     return nb::make_tuple(to_list(blocks), to_list(idle));
 }
 

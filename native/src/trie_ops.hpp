@@ -111,17 +111,10 @@ private:
             return;
         }
         if (dest == state_now) return;
-        // `Evictor._enter`: the index holds exactly the evictable nodes (invariant 7)
-        if (state_now == s.evictable) index.discard(node);
-        {
-            Column<uint8_t> state(state_, "state");
-            state[row] = static_cast<uint8_t>(dest);
-        }
-        if (dest == s.evictable) {
-            IntList ticks(tick_, "tick");
-            Column<int64_t> serials(serial_, "serial");
-            index.insert(NodeLRU::Entry{ticks.get(row), serials[row], node});
-        }
+        Column<uint8_t> state(state_, "state");
+        IntList ticks(tick_, "tick");
+        Column<int64_t> serials(serial_, "serial");
+        enter(index, state, node, state_now, dest, ticks.get(row), serials[row]);
     }
 
     nb::object child_, block_, state_, tick_, serial_, checkpoint_, refs_, free_;
