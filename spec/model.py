@@ -425,7 +425,10 @@ class ReferenceCache:
         self._receipts: list[ModelReceipt] = []  # outstanding explicit receipts
         self._block_receipts: list[ModelBlockReceipt] = []  # outstanding `pin_blocks` ([R66])
         self._block_hash = block_hash
+        self._lora_ids: dict[str, int] = {}  # [R70]: namespace -> its events' lora_id
         self._stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
+        self.resets = 0
+        """How many times `reset_stats` ran ([R69])."""
         self._window = stats_window
         self._recent: list[tuple[int, int, int]] = []  # [R69]: (sequence, queried, hit)
         self.fail_next_block_take = False
@@ -1234,6 +1237,7 @@ class ReferenceCache:
         live match has nothing left for its abort to roll back."""
         self._stats = dict.fromkeys(STAT_COUNTERS, 0)
         self._recent = []
+        self.resets += 1
         for s in self._sequences:
             s._match_stats = {}
 
@@ -1473,6 +1477,24 @@ class ReferenceCache:
         receipt._used = True
         self._block_receipts.remove(receipt)
 
+    # ------------------------------------------------------------------ events
+
+    def bind_lora(self, namespace: str, lora_id: int | None) -> None:
+        """[R70]: the events of `namespace` recorded from now on carry `lora_id`
+        (None: they carry none again). Changes nothing else."""
+        ns = _check_namespace(namespace)
+        if lora_id is None:
+            self._lora_ids.pop(ns, None)
+            return
+        _check_int(lora_id, "bind_lora: lora_id")
+        if not 0 < lora_id < 2**63:
+            raise InvalidArgument(f"bind_lora: lora_id must be in 1..2**63-1, got {lora_id}")
+        self._lora_ids[ns] = lora_id
+
+    def lora_id(self, namespace: str) -> int | None:
+        """The `lora_id` that an event of `namespace` recorded now carries ([R70])."""
+        return self._lora_ids.get(namespace)
+
     def pending(self) -> list[ModelCopy]:
         return [cp for cp in self._copies if not cp.done and not cp.failed]
 
@@ -1569,6 +1591,13 @@ class ReferenceCache:
     @property
     def num_host_cached_blocks(self) -> int:
         return sum(1 for n in self._nodes if n.host is not None)
+
+    @property
+    def num_pins(self) -> int:
+        """Checkpoint pins outstanding: live sequences' match pins, unreaped copies'
+        pins and outstanding receipts ([R35], [R39])."""
+        matches = sum(1 for s in self._sequences if s._holds_match_pin and s.restore is not None)
+        return matches + sum(len(cp._pins) for cp in self._copies) + len(self._receipts)
 
     @property
     def stats(self) -> dict[str, int]:

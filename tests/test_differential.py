@@ -15,11 +15,16 @@ with the same operations and compares what they observe after every step.
 - Data: every save writes a unique pattern into a fresh runtime state (and
   prefix-derived values into the partial tail's KV); every restore must read
   back exactly what was saved for that prefix, which catches a slot or frozen
-  block reused while a copy was in flight.
+  block reused while a copy was in flight. SSM runs keep a float64 and a
+  float32 state (`state_dtypes`).
+- Events and metrics: `bind_lora` is a rule, and after every step each stored
+  block's event carries the `lora_id` the model has bound its namespace to
+  ([R70]); `cache.metrics` is scraped and must give what `spec.metrics` states.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,11 +47,17 @@ from hypothesis.stateful import (
 
 from cache import BlockPinReceipt, BlockTrie, CacheConfig, Copy, ManualCopies, PinReceipt, Sequence
 from cache.block_hash import chain, root_hash, to_wire
+from cache.events import BlockStored
 from spec import invariants
 from spec.errors import AllocationFailed, CopyFailed
 from spec.lifecycle import CopyState, ReceiptState
+from spec.metrics import UNMODELLED, ExportedMetrics
 from spec.model import ReferenceCache
 from spec.snapshot import observe
+
+# The `metrics` extra (in the README's install): without it, the cache's exported
+# metrics are not compared.
+HAVE_METRICS = importlib.util.find_spec("prometheus_client") is not None
 
 T = TypeVar("T")
 
@@ -57,6 +68,7 @@ FRACTION = st.floats(0.0, 1.0)
 SALTS = st.sampled_from([None, None, None, "", "s", "t"])
 MAX_HIT = st.one_of(st.none(), st.integers(-1, 8))
 SPANS = st.lists(st.tuples(st.integers(-1, 8), st.integers(0, 9)), max_size=3)
+LORA_IDS = st.sampled_from([None, 1, 7, 2**63 - 1, 0, -3, 2**63, True, "1"])
 
 
 def _published_hash(namespace: str, keys: tuple[tuple[tuple[int, ...], Any], ...]) -> int:
@@ -120,7 +132,9 @@ class CacheVersusModel(RuleBasedStateMachine):
     ) -> None:
         """`collide`: the cache hashes every block key to 0, so exact comparison alone
         decides. `write_back` applies to attention-only runs with a host tier ([R52]);
-        `host_slots` (host checkpoint slots, [R53]) to SSM runs."""
+        `host_slots` (host checkpoint slots, [R53]) to SSM runs. SSM runs keep two
+        states, of two dtypes (`state_dtypes`): the model has no tensors, so the
+        restored bytes of both are checked against what was saved."""
         self.block_size = block_size
         self.ssm = slots > 0
         self.host = host > 0
@@ -134,8 +148,9 @@ class CacheVersusModel(RuleBasedStateMachine):
                 kv_block_shape=(block_size,),
                 kv_dtype=torch.float64,
                 num_checkpoint_slots=slots,
-                state_shapes={"s": (2,)} if slots else {},
+                state_shapes={"s": (2,), "c": (3,)} if slots else {},
                 state_dtype=torch.float64,
+                state_dtypes={"c": torch.float32} if slots else {},
                 device=self.device,
                 key_hash=(lambda key: 0) if collide else None,
                 enable_events=True,  # so check() also replays them (invariant 10)
@@ -163,6 +178,16 @@ class CacheVersusModel(RuleBasedStateMachine):
         self.open_sequences: dict[int, Pair] = {}  # for teardown's drain
         self.open_receipts: dict[int, Pair] = {}
         self.open_block_receipts: dict[int, Pair] = {}
+        self.registry: Any = None  # the cache's exported metrics, against spec.metrics
+        if HAVE_METRICS:
+            from prometheus_client import CollectorRegistry
+
+            from cache.metrics import register
+
+            self.registry = CollectorRegistry()
+            register(self.cache, self.registry)
+        self.exported = ExportedMetrics(self.model)
+        self.most_pins = 0  # since the last reset: a floor for the exported peak_pins
 
     # ------------------------------------------------------------ helpers
 
@@ -211,7 +236,10 @@ class CacheVersusModel(RuleBasedStateMachine):
     def _runtime(self, value: float) -> dict[str, torch.Tensor]:
         if not self.ssm:
             return {}
-        return {"s": torch.tensor([value, -value], dtype=torch.float64, device=self.device)}
+        return {
+            "s": torch.tensor([value, -value], dtype=torch.float64, device=self.device),
+            "c": torch.tensor([value, 0.5, -value], dtype=torch.float32, device=self.device),
+        }
 
     # -------------------------------------------------------------- rules
 
@@ -681,6 +709,15 @@ class CacheVersusModel(RuleBasedStateMachine):
         self.cache.stats.reset()
         self.model.reset_stats()
 
+    @rule(namespace=NAMESPACES, lora_id=LORA_IDS)
+    def bind_lora(self, namespace: str, lora_id: Any) -> None:
+        """[R70]: events of the namespace carry the id from now on (None unbinds);
+        an id that is no int in 1..2**63-1 is refused by both."""
+        self.both(
+            lambda: self.cache.bind_lora(namespace, lora_id),
+            lambda: self.model.bind_lora(namespace, lora_id),
+        )
+
     @rule()
     def poll(self) -> None:
         out = self.both(self.cache.poll, self.model.poll)
@@ -699,6 +736,12 @@ class CacheVersusModel(RuleBasedStateMachine):
                 pending.expected_pattern,
                 -pending.expected_pattern,
             ], "restore read a state other than the one saved for this prefix"
+            assert pending.runtime["c"].dtype == torch.float32
+            assert pending.runtime["c"].tolist() == [
+                pending.expected_pattern,
+                0.5,
+                -pending.expected_pattern,
+            ], "restore read a float32 state other than the one saved for this prefix"
             if pending.block >= 0 and kv is not None:
                 got = kv[pending.block, : len(pending.expected_tail)].tolist()
                 assert got == pending.expected_tail, "frozen tail differs from the saved tail"
@@ -771,6 +814,33 @@ class CacheVersusModel(RuleBasedStateMachine):
         assert (
             self.cache.num_free_host_checkpoint_slots == self.model.num_free_host_checkpoint_slots
         )
+
+    @invariant()
+    def stored_events_carry_the_bound_lora_id(self) -> None:
+        """[R70]: every block an operation stored was published with the lora_id its
+        namespace was bound to then (drained after every step, so "then" is now)."""
+        for event in self.cache.drain_events():
+            if isinstance(event, BlockStored):
+                assert event.lora_id == self.model.lora_id(event.namespace), event
+
+    @invariant()
+    def exported_metrics_are_the_models(self) -> None:
+        """`cache.metrics` scraped now gives the values `spec.metrics` states: every
+        counter at its high-water mark since the last reset, every gauge as it is."""
+        expected = self.exported.scrape()
+        if self.model.resets != getattr(self, "_seen_resets", 0):
+            self._seen_resets = self.model.resets
+            self.most_pins = 0
+        self.most_pins = max(self.most_pins, self.model.num_pins)
+        if self.registry is None:
+            return
+        got = {
+            sample.name: sample.value
+            for family in self.registry.collect()
+            for sample in family.samples
+        }
+        assert {name: value for name, value in got.items() if name not in UNMODELLED} == expected
+        assert got["blocktrie:peak_pins"] >= self.most_pins
 
     @invariant()
     def pinned_checkpoints_are_never_released_nor_their_slots_reused(self) -> None:
