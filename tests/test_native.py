@@ -305,6 +305,43 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     assert refs == [0, 1, 1, 0]
 
 
+def test_a_plain_block_beside_a_wide_only_child_is_a_new_node() -> None:
+    """A plain key under a parent whose only child has a wide key (an extra identity)
+    never equals it: the commit attaches a new node beside it ([R5], [R19])."""
+    for backend in ("python", "native"):
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        first = trie.match([0, 0, 1, 1, 5], extra=[None, "img"])
+        trie.allocate(first, 5)
+        trie.commit(first, 4)
+        trie.release(first)
+        second = trie.match([0, 0, 1, 1, 5])
+        assert second.num_cached_tokens == 2
+        trie.allocate(second, 5)
+        trie.commit(second, 4)
+        assert trie.num_cached_blocks == 3  # the shared block 0, the wide child, the plain one
+        trie.release(second)
+        assert trie.match([0, 0, 1, 1, 5]).num_cached_tokens == 4
+        trie.check()
+
+
+@needs_native
+def test_a_commit_refuses_a_cached_node_without_a_block() -> None:
+    """A cached node with no device block and no host tier cannot exist; the native
+    commit refuses one (a trie corrupted on purpose) instead of deduplicating onto it."""
+    from cache.node import NO_BLOCK
+
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    if trie.backend != "native":
+        pytest.skip("BLOCKTRIE_BACKEND chose the Python core")
+    first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
+    for seq in (first, second):
+        trie.allocate(seq, 5)
+    trie.commit(first, 4)
+    trie._nodes.block[first.path[-1]] = NO_BLOCK  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="an offloaded node without a host tier"):
+        trie.commit(second, 4)
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
