@@ -342,6 +342,25 @@ def test_a_commit_refuses_a_cached_node_without_a_block() -> None:
         trie.commit(second, 4)
 
 
+def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `eviction._SETTLED` empty (a fresh process), each parent an eviction frees
+    into settles through `Evictor._implied`, which derives its state from the spec;
+    both cores then free the same chain, in the same order, and fill the memo alike."""
+    results = []
+    for backend in ("python", "native"):
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        seq = trie.match([0, 0, 1, 1, 2, 2, 3])
+        trie.allocate(seq, 7)
+        trie.commit(seq, 6)
+        trie.release(seq)
+        monkeypatch.setattr(eviction, "_SETTLED", {})
+        freed = trie.evict(2)
+        trie.check()
+        results.append((freed, trie.num_cached_blocks, dict(eviction._SETTLED)))
+    assert results[0] == results[1]
+    assert results[0][:2] == (2, 1)
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
