@@ -380,3 +380,58 @@ def test_drop_checkpoint_needs_ssm_and_a_live_sequence() -> None:
     trie.release(seq)
     with pytest.raises(SequenceNotLive):
         trie.drop_checkpoint(seq, 4)
+
+
+def test_drop_checkpoint_names_what_it_refuses() -> None:
+    trie, _ = ssm_trie(manual=False)
+    seq = trie.match(PROMPT)
+    with pytest.raises(InvalidType, match="step must be an int, got str"):
+        trie.drop_checkpoint(seq, "4")  # type: ignore[arg-type]
+    with pytest.raises(
+        InvalidArgument, match=rf"drop_checkpoint: step=0 outside 1\.\.{len(PROMPT)}"
+    ):
+        trie.drop_checkpoint(seq, 0)
+    attention = kv_trie()
+    with pytest.raises(
+        CheckpointError,
+        match=r"^drop_checkpoint: SSM checkpoints are disabled \(num_checkpoint_slots=0\)$",
+    ):
+        attention.drop_checkpoint(attention.match(PROMPT), 4)
+
+
+@pytest.mark.parametrize("namespace", ["", "tenant"])
+def test_drop_checkpoint_at_the_committed_end_and_under_the_root(namespace: str) -> None:
+    """A checkpoint at the last committed block boundary (its anchor is the path's
+    last node) and one inside block 0 (anchored at the namespace's root) are dropped."""
+    trie, _ = ssm_trie(manual=False)
+    seq = trie.match(PROMPT, namespace=namespace)
+    trie.allocate(seq, 17)
+    trie.commit(seq, 8)
+    trie.save(seq, 8, state(1.0))
+    trie.save(seq, 2, state(2.0))
+    slots = trie.num_free_checkpoint_slots
+    assert trie.drop_checkpoint(seq, 8) is True
+    assert trie.drop_checkpoint(seq, 2) is True
+    assert trie.num_free_checkpoint_slots == slots + 2
+    trie.check()
+
+
+def test_drop_checkpoint_finds_a_tail_by_its_extra_identity() -> None:
+    """A partial checkpoint's tail keeps its block's extra identity ([R5]): the request
+    that saved it drops it; a request whose tail block differs only in extra does not."""
+    trie, _ = ssm_trie(manual=False)
+    extra = [None, None, "img"]
+    seq = trie.match(PROMPT, extra=extra)
+    trie.allocate(seq, 17)
+    trie.commit(seq, 8)
+    trie.save(seq, 8, state(2.0))  # no tail: no extra either
+    assert trie.drop_checkpoint(seq, 8) is True
+    trie.save(seq, 10, state(1.0))  # (one checkpoint per anchor: [R27])
+    plain = trie.match(PROMPT)
+    assert trie.drop_checkpoint(plain, 10) is False
+    other = trie.match(PROMPT, extra=[None, None, "audio"])
+    assert trie.drop_checkpoint(other, 10) is False
+    assert trie.drop_checkpoint(seq, 10) is True
+    for s in (seq, plain, other):
+        trie.release(s)
+    trie.check()
