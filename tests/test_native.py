@@ -302,6 +302,9 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         NATIVE.set_ticks([0, 0], [2], 5)
     with pytest.raises(ValueError, match="hold_path: a held node's block is free"):
         NATIVE.hold_path([0], array("i", [3]), bytearray(1), refs)
+    table = type("Table", (), {"width": 2})()  # refused before anything of it is read
+    with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), refs)
     assert refs == [0, 1, 1, 0]
 
 
@@ -359,6 +362,27 @@ def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.Monkey
         results.append((freed, trie.num_cached_blocks, dict(eviction._SETTLED)))
     assert results[0] == results[1]
     assert results[0][:2] == (2, 1)
+
+
+def test_the_kernels_leave_what_they_do_not_check_to_the_python_core() -> None:
+    """The native `match` takes only ASCII namespaces and `allocate` only a live
+    sequence and an exact `int`: the rest goes to the Python core, whose errors are
+    the contract's ([R1], [R57])."""
+    from spec.errors import InvalidArgument, InvalidType, SequenceNotLive
+
+    for backend in ("python", "native"):
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        with pytest.raises(InvalidArgument, match="lone surrogate"):
+            trie.match([1, 2, 3], namespace="\ud800")
+        assert trie.match([1, 2, 3], namespace="é").num_cached_tokens == 0
+        seq = trie.match([1, 2, 3])
+        with pytest.raises(InvalidType, match="num_tokens must be an int"):
+            trie.allocate(seq, True)  # type: ignore[arg-type]
+        assert len(seq.block_ids) == 0
+        trie.release(seq)
+        with pytest.raises(SequenceNotLive):
+            trie.allocate(seq, 2)
+        assert trie.num_free_blocks == 8
 
 
 # ------------------------------------------------------------------ paired backends
