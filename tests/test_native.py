@@ -385,6 +385,41 @@ def test_the_kernels_leave_what_they_do_not_check_to_the_python_core() -> None:
         assert trie.num_free_blocks == 8
 
 
+def test_the_native_commit_leaves_a_dead_or_foreign_sequence_to_the_python_core() -> None:
+    from spec.errors import SequenceNotLive
+
+    for backend in ("python", "native"):
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        other = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        seq, foreign = trie.match([1, 2, 3]), other.match([1, 2, 3])  # the same serial
+        trie.allocate(seq, 3)
+        other.allocate(foreign, 3)
+        with pytest.raises(SequenceNotLive):
+            trie.commit(foreign, 2)
+        trie.release(seq)
+        with pytest.raises(SequenceNotLive):
+            trie.commit(seq, 2)
+        assert trie.num_cached_blocks == 0 and other.num_cached_blocks == 0
+
+
+@needs_native
+@pytest.mark.parametrize("whose", ["cached", "own"])
+def test_the_native_commit_refuses_a_held_block_counted_free(whose: str) -> None:
+    """Deduplicating onto a cached block ([R18]) needs the cached block and the
+    request's own one held; a trie corrupted on purpose to count one free is refused."""
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    if trie.backend != "native":
+        pytest.skip("BLOCKTRIE_BACKEND chose the Python core")
+    first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
+    for seq in (first, second):
+        trie.allocate(seq, 5)
+    trie.commit(first, 4)
+    block = first.block_ids[0] if whose == "cached" else second.block_ids[0]
+    trie._kv.refs[block] = 0  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="commit: a held block is free"):
+        trie.commit(second, 4)
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
