@@ -375,6 +375,9 @@ def test_the_kernels_leave_what_they_do_not_check_to_the_python_core() -> None:
         with pytest.raises(InvalidArgument, match="lone surrogate"):
             trie.match([1, 2, 3], namespace="\ud800")
         assert trie.match([1, 2, 3], namespace="é").num_cached_tokens == 0
+        for bad in (-1, -(2**40), 2**64):  # one digit, several, past the range ([R2])
+            with pytest.raises(InvalidArgument, match=r"tokens must be in \[0, 2\*\*64\)"):
+                trie.match([1, bad, 2])
         seq = trie.match([1, 2, 3])
         with pytest.raises(InvalidType, match="num_tokens must be an int"):
             trie.allocate(seq, True)  # type: ignore[arg-type]
