@@ -50,6 +50,10 @@ needs_native = pytest.mark.skipif(
 )
 
 
+BACKENDS = ("python", "native") if NATIVE is not None else ("python",)
+"""The cores a test that names its backends runs (with `BLOCKTRIE_BACKEND` unset)."""
+
+
 # ------------------------------------------------------------------ backend choice
 
 
@@ -308,10 +312,13 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     assert refs == [0, 1, 1, 0]
 
 
-def test_a_plain_block_beside_a_wide_only_child_is_a_new_node() -> None:
+def test_a_plain_block_beside_a_wide_only_child_is_a_new_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A plain key under a parent whose only child has a wide key (an extra identity)
     never equals it: the commit attaches a new node beside it ([R5], [R19])."""
-    for backend in ("python", "native"):
+    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
+    for backend in BACKENDS:
         trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
         first = trie.match([0, 0, 1, 1, 5], extra=[None, "img"])
         trie.allocate(first, 5)
@@ -328,14 +335,13 @@ def test_a_plain_block_beside_a_wide_only_child_is_a_new_node() -> None:
 
 
 @needs_native
-def test_a_commit_refuses_a_cached_node_without_a_block() -> None:
+def test_a_commit_refuses_a_cached_node_without_a_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cached node with no device block and no host tier cannot exist; the native
     commit refuses one (a trie corrupted on purpose) instead of deduplicating onto it."""
     from cache.node import NO_BLOCK
 
+    monkeypatch.delenv(native.ENV, raising=False)
     trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
-    if trie.backend != "native":
-        pytest.skip("BLOCKTRIE_BACKEND chose the Python core")
     first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
     for seq in (first, second):
         trie.allocate(seq, 5)
@@ -350,7 +356,8 @@ def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.Monkey
     into settles through `Evictor._implied`, which derives its state from the spec;
     both cores then free the same chain, in the same order, and fill the memo alike."""
     results = []
-    for backend in ("python", "native"):
+    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
+    for backend in BACKENDS:
         trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
         seq = trie.match([0, 0, 1, 1, 2, 2, 3])
         trie.allocate(seq, 7)
@@ -360,17 +367,22 @@ def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.Monkey
         freed = trie.evict(2)
         trie.check()
         results.append((freed, trie.num_cached_blocks, dict(eviction._SETTLED)))
-    assert results[0] == results[1]
-    assert results[0][:2] == (2, 1)
+    assert all(result == results[0] for result in results)
+    freed, cached, memo = results[0]
+    assert (freed, cached) == (2, 1)
+    assert memo, "the parent's state was derived (and memoized), not guessed"
 
 
-def test_the_kernels_leave_what_they_do_not_check_to_the_python_core() -> None:
+def test_the_kernels_leave_what_they_do_not_check_to_the_python_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The native `match` takes only ASCII namespaces and `allocate` only a live
     sequence and an exact `int`: the rest goes to the Python core, whose errors are
     the contract's ([R1], [R57])."""
     from spec.errors import InvalidArgument, InvalidType, SequenceNotLive
 
-    for backend in ("python", "native"):
+    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
+    for backend in BACKENDS:
         trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
         with pytest.raises(InvalidArgument, match="lone surrogate"):
             trie.match([1, 2, 3], namespace="\ud800")
@@ -388,10 +400,13 @@ def test_the_kernels_leave_what_they_do_not_check_to_the_python_core() -> None:
         assert trie.num_free_blocks == 8
 
 
-def test_the_native_commit_leaves_a_dead_or_foreign_sequence_to_the_python_core() -> None:
+def test_the_native_commit_leaves_a_dead_or_foreign_sequence_to_the_python_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from spec.errors import SequenceNotLive
 
-    for backend in ("python", "native"):
+    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
+    for backend in BACKENDS:
         trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
         other = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
         seq, foreign = trie.match([1, 2, 3]), other.match([1, 2, 3])  # the same serial
@@ -407,12 +422,13 @@ def test_the_native_commit_leaves_a_dead_or_foreign_sequence_to_the_python_core(
 
 @needs_native
 @pytest.mark.parametrize("whose", ["cached", "own"])
-def test_the_native_commit_refuses_a_held_block_counted_free(whose: str) -> None:
+def test_the_native_commit_refuses_a_held_block_counted_free(
+    whose: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Deduplicating onto a cached block ([R18]) needs the cached block and the
     request's own one held; a trie corrupted on purpose to count one free is refused."""
+    monkeypatch.delenv(native.ENV, raising=False)
     trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
-    if trie.backend != "native":
-        pytest.skip("BLOCKTRIE_BACKEND chose the Python core")
     first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
     for seq in (first, second):
         trie.allocate(seq, 5)
