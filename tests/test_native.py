@@ -306,6 +306,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         NATIVE.set_ticks([0, 0], [2], 5)
     with pytest.raises(ValueError, match="hold_path: a held node's block is free"):
         NATIVE.hold_path([0], array("i", [3]), bytearray(1), refs)
+    with pytest.raises(TypeError):  # a count that is no int: Python's own error
+        NATIVE.hold_path([0], array("i", [1]), bytearray(1), [0, "x"])
     table = type("Table", (), {"width": 2})()  # refused before anything of it is read
     with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), refs)
@@ -437,6 +439,34 @@ def test_the_native_commit_refuses_a_held_block_counted_free(
     trie._kv.refs[block] = 0  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="commit: a held block is free"):
         trie.commit(second, 4)
+
+
+@needs_native
+def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tries corrupted on purpose: an indexed node whose state has no `free` row goes to
+    the Python core's `Evictor._free`, which names the illegal transition; a column of
+    the wrong item size is refused by name before anything changes."""
+    from array import array
+
+    from spec.errors import IllegalTransition
+
+    monkeypatch.delenv(native.ENV, raising=False)
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    seq = trie.match([0, 0, 1])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 2)
+    node = seq.path[-1]
+    trie.release(seq)
+    evictor = trie._evictor  # type: ignore[attr-defined]
+    owner = evictor.owner
+    evictor.owner = array("q", owner)
+    with pytest.raises(ValueError, match="column owner: items of 4 bytes"):
+        trie.evict(1)
+    evictor.owner = owner
+    assert trie.num_cached_blocks == 1
+    trie._nodes.state[node] = state_code("cached")  # type: ignore[attr-defined]
+    with pytest.raises(IllegalTransition):
+        trie.evict(1)
 
 
 # ------------------------------------------------------------------ paired backends
