@@ -368,11 +368,13 @@ def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.Monkey
         monkeypatch.setattr(eviction, "_SETTLED", {})
         freed = trie.evict(2)
         trie.check()
-        results.append((freed, trie.num_cached_blocks, dict(eviction._SETTLED)))
+        free_rows = list(trie._nodes.free_rows)  # type: ignore[attr-defined]
+        results.append((freed, trie.num_cached_blocks, dict(eviction._SETTLED), free_rows))
     assert all(result == results[0] for result in results)
-    freed, cached, memo = results[0]
+    freed, cached, memo, free_rows = results[0]
     assert (freed, cached) == (2, 1)
     assert memo, "the parent's state was derived (and memoized), not guessed"
+    assert len(set(free_rows)) == len(free_rows), "a row was freed twice"
 
 
 def test_the_kernels_leave_what_they_do_not_check_to_the_python_core(
