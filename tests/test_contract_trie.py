@@ -1564,3 +1564,17 @@ def test_a_root_has_tick_zero_in_the_snapshot() -> None:
     assert len(snap["roots"]) == 2
     for root in snap["roots"].values():
         assert snap["nodes"][root]["tick"] == 0
+
+
+@pytest.mark.parametrize("extra", [None, ["img"]])
+def test_a_commit_of_no_full_block_attaches_nothing_not_even_a_root(extra: object) -> None:
+    """[R19]: only full blocks are attached; a commit that completes none leaves the
+    trie as it was, without making its namespace's root."""
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8))
+    seq = trie.match([1, 2, 3], namespace="ns", extra=extra)
+    trie.allocate(seq, 3)
+    trie.commit(seq, 1)
+    assert seq.num_committed_tokens == 1
+    assert trie.snapshot()["nodes"] == {}
+    trie.commit(seq, 2)
+    assert len(trie.snapshot()["nodes"]) == 2  # the root and the block
