@@ -35,6 +35,7 @@ from spec.errors import ConfigError
 from spec.lifecycle import NODE, NodeState, NodeTrigger
 
 __all__ = [
+    "ABI",
     "BACKENDS",
     "ENV",
     "NativeUnavailableWarning",
@@ -58,13 +59,33 @@ class NativeUnavailableWarning(RuntimeWarning):
     import (the message says why and how to get it). Issued once per process."""
 
 
+ABI = 1
+"""The version of the kernels' signatures this Python code calls (`cache._native.ABI`):
+bumped with any change to them, so that a module built from an older checkout (an
+editable install not rebuilt since) is refused instead of called wrongly."""
+
+
 def _load() -> tuple[ModuleType | None, str]:
     try:
         from cache import _native  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, f"cache._native did not import ({exc})"
+    reason = _stale(_native)
+    if reason:
+        return None, reason
     _configure(_native)
     return _native, ""
+
+
+def _stale(module: ModuleType) -> str:
+    """Why `module` cannot serve this code ("" when it can): its ABI is not `ABI`."""
+    built = getattr(module, "ABI", None)
+    if built == ABI:
+        return ""
+    return (
+        f"cache._native is a stale build (its ABI is {built!r}, this code needs {ABI}): "
+        "rebuild it with `python -m pip install -e .` in the checkout"
+    )
 
 
 def _configure(module: ModuleType) -> None:

@@ -223,6 +223,11 @@ def test_node_lru_refuses_what_lru_index_leaves_undefined() -> None:
     with pytest.raises(IndexError):
         lru.add(2)  # no such row
     assert "x" not in lru and 1 in lru and 0 not in lru
+    for ticks, serials in (([0, 0, 0], [0, 1]), ([0, 0], [0, 1, 2])):  # one column short
+        short = NATIVE.NodeLRU(ticks=ticks, serials=array("q", serials))
+        with pytest.raises(IndexError, match="no such node row"):
+            short.add(2)
+        assert len(short) == 0
 
 
 @needs_native
@@ -469,6 +474,42 @@ def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.Mon
     trie._nodes.state[node] = state_code("cached")  # type: ignore[attr-defined]
     with pytest.raises(IllegalTransition):
         trie.evict(1)
+
+
+def test_the_built_extension_is_the_one_loaded() -> None:
+    """Where the checkout holds a built `cache/_native*.so`, it imports and is used: a
+    build that cannot be loaded fails here instead of every native test skipping."""
+    built = sorted(Path(native.__file__).parent.glob("_native*.so"))
+    if not built:
+        pytest.skip("no native extension built in this checkout")
+    assert NATIVE is not None, native.unavailable_reason()
+    assert native.unavailable_reason() == ""
+
+
+def test_a_stale_build_is_refused_with_the_fix() -> None:
+    from types import SimpleNamespace
+
+    assert native._stale(SimpleNamespace(ABI=native.ABI)) == ""  # type: ignore[arg-type]
+    for module in (SimpleNamespace(ABI=native.ABI - 1), SimpleNamespace()):
+        reason = native._stale(module)  # type: ignore[arg-type]
+        assert "stale build" in reason and "pip install -e ." in reason
+
+
+def test_a_walk_stops_at_the_first_missing_block_under_a_node_of_many(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[R12]: a miss under a node with several children ends the walk, even where a
+    later block's key is one of that node's children."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in BACKENDS:
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        for prompt in ([0, 0, 9], [1, 1, 9]):  # the root gets two children
+            seq = trie.match(prompt)
+            trie.allocate(seq, 3)
+            trie.commit(seq, 2)
+            trie.release(seq)
+        assert trie.match([2, 2, 1, 1, 0, 0, 9]).num_cached_tokens == 0
+        assert trie.match([1, 1, 0, 0, 9]).num_cached_tokens == 2
 
 
 # ------------------------------------------------------------------ paired backends

@@ -18,7 +18,7 @@ using namespace blocktrie;
 
 NB_MODULE(_native, m) {
     m.doc() = "blocktrie's native core: the hot loops over the node table's columns";
-    m.attr("ABI") = 1;
+    m.attr("ABI") = 1;  // what the Python side was written against (cache.native.ABI)
 
     m.def("configure", &configure, nb::arg("root_code"), nb::arg("evictable_code"), nb::arg("freed_from"),
           nb::arg("no_node"), nb::arg("no_child"), nb::arg("many"), nb::arg("no_block"),
@@ -67,7 +67,7 @@ NB_MODULE(_native, m) {
                       nb::object, uintptr_t>(),
              nb::arg("table"), nb::arg("refs"), nb::arg("free_list"), nb::arg("owner"),
              nb::arg("sequence_type"), nb::arg("typecode"), nb::arg("block_size"),
-             nb::arg("cached_code"), nb::arg("events").none(), nb::arg("xxh3") = 0)
+             nb::arg("cached_code"), nb::arg("events").none(), nb::arg("xxh3"))
         .def("commit", &FastAttach::commit, nb::arg("seq").none(), nb::arg("num_tokens").none(), nb::arg("trie"),
              nb::arg("live"), nb::arg("evictor"), nb::arg("attach"), nb::arg("block_pins"));
 
