@@ -313,9 +313,23 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         NATIVE.hold_path([0], array("i", [3]), bytearray(1), refs)
     with pytest.raises(TypeError):  # a count that is no int: Python's own error
         NATIVE.hold_path([0], array("i", [1]), bytearray(1), [0, "x"])
-    table = type("Table", (), {"width": 2})()  # refused before anything of it is read
+    table: Any = type("Table", (), {"width": 2})()  # refused before anything of it is read
     with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), refs)
+    table.width, table._take = 2, lambda n: [1]  # rows taken; then its columns are read
+    for name, column in (
+        ("parent", array("i", [0] * 4)),
+        ("child", array("i", [-1] * 4)),
+        ("block", array("i", [0] * 4)),
+        ("tick", [0] * 4),
+        ("serial", array("q", [0] * 4)),
+        ("state", bytearray(4)),
+        ("namespace", array("i", [0] * 4)),
+        ("tokens", array("i", [0] * 8)),  # 4-byte items where bytes are expected
+    ):
+        setattr(table, name, column)
+    with pytest.raises(ValueError, match="column tokens: items of 1 bytes"):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
     assert refs == [0, 1, 1, 0]
 
 
