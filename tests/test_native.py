@@ -330,6 +330,14 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         setattr(table, name, column)
     with pytest.raises(ValueError, match="column tokens: items of 1 bytes"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
+    outside = "attach_chain: a row or block outside the table"
+    table.tokens = bytearray(8)
+    table._take = lambda n: [99]  # a row past the columns
+    with pytest.raises(IndexError, match=outside):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
+    table.tokens, table._take = bytearray(2), lambda n: [1]  # no room for row 1's key
+    with pytest.raises(IndexError, match=outside):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
     assert refs == [0, 1, 1, 0]
 
 
@@ -416,6 +424,9 @@ def test_the_kernels_leave_what_they_do_not_check_to_the_python_core(
         seq = trie.match([1, 2, 3])
         with pytest.raises(InvalidType, match="num_tokens must be an int"):
             trie.allocate(seq, True)  # type: ignore[arg-type]
+        for count in (-1, 4, 2**70):  # negative, past the tokens, past 64 bits
+            with pytest.raises(InvalidArgument, match="num_tokens"):
+                trie.allocate(seq, count)
         assert len(seq.block_ids) == 0
         trie.release(seq)
         with pytest.raises(SequenceNotLive):
