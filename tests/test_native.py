@@ -537,6 +537,38 @@ def test_a_walk_stops_at_the_first_missing_block_under_a_node_of_many(
         assert trie.match([1, 1, 0, 0, 9]).num_cached_tokens == 2
 
 
+def test_an_allocate_that_needs_no_block_takes_none_and_counts_no_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in BACKENDS:
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        seq = trie.match([1, 2, 3])
+        trie.allocate(seq, 3)
+        taken = (trie.faults.count, trie.num_free_blocks)
+        for count in (3, 2, 0):  # already covered
+            trie.allocate(seq, count)
+            assert (trie.faults.count, trie.num_free_blocks) == taken
+
+
+@needs_native
+def test_the_native_release_refuses_a_held_block_counted_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trie corrupted on purpose (the request's first block counted free): the release
+    is refused whole, every other count as it was."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    seq = trie.match([1, 2, 3])
+    trie.allocate(seq, 3)
+    refs = trie._kv.refs  # type: ignore[attr-defined]
+    refs[seq.block_ids[0]] = 0
+    before = list(refs)
+    with pytest.raises(RuntimeError, match="release: a held block was free"):
+        trie.release(seq)
+    assert list(refs) == before
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
