@@ -569,6 +569,37 @@ def test_the_native_release_refuses_a_held_block_counted_free(
     assert list(refs) == before
 
 
+def test_a_commit_below_what_is_committed_goes_to_the_python_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from spec.errors import InvalidArgument
+
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in BACKENDS:
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        seq = trie.match([1, 2, 3])
+        trie.allocate(seq, 3)
+        trie.commit(seq, 1)
+        with pytest.raises(InvalidArgument, match=r"num_tokens=0 must be in 1\.\.3"):
+            trie.commit(seq, 0)
+        assert seq.num_committed_tokens == 1
+
+
+@needs_native
+def test_fast_attach_needs_the_hash_function_when_events_are_on() -> None:
+    from cache.node import state_code as code
+    from cache.validation import U32
+
+    assert NATIVE is not None
+    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, enable_events=True))
+    kv, evictor = trie._kv, trie._evictor  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="FastAttach: events on need the xxh3 function"):
+        NATIVE.FastAttach(
+            trie._nodes, kv.refs, kv._free, evictor.owner, Sequence, U32, 2,  # type: ignore[attr-defined]
+            code("cached"), trie._events, 0,  # type: ignore[attr-defined]
+        )  # fmt: skip
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
