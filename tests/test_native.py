@@ -600,6 +600,25 @@ def test_fast_attach_needs_the_hash_function_when_events_are_on() -> None:
         )  # fmt: skip
 
 
+def test_an_evicted_wide_node_gives_its_row_back_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evicting the only node with a wide key (an extra identity) forgets its key: the
+    row, reused by a plain block, then holds that block's key ([R5], [R12])."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in BACKENDS:
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=2, backend=backend))
+        wide = trie.match([0, 0, 1], extra=["img"])
+        trie.allocate(wide, 3)
+        trie.commit(wide, 2)
+        trie.release(wide)
+        assert trie.evict(1) == 1
+        plain = trie.match([5, 5, 1])
+        trie.allocate(plain, 3)
+        trie.commit(plain, 2)
+        trie.release(plain)
+        assert trie.match([5, 5, 1]).num_cached_tokens == 2
+        trie.check()
+
+
 # ------------------------------------------------------------------ paired backends
 
 TOKENS = st.lists(st.sampled_from([0, 1, 2**40]), min_size=1, max_size=9)
