@@ -495,6 +495,11 @@ def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="column owner: items of 4 bytes"):
         trie.evict(1)
     evictor.owner = owner
+    parents = trie._nodes.parent  # type: ignore[attr-defined]
+    trie._nodes.parent = array("q", parents)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="column parent: items of 4 bytes"):
+        trie.evict(1)
+    trie._nodes.parent = parents  # type: ignore[attr-defined]
     assert trie.num_cached_blocks == 1
     trie._nodes.state[node] = state_code("cached")  # type: ignore[attr-defined]
     with pytest.raises(IllegalTransition):
@@ -617,6 +622,42 @@ def test_an_evicted_wide_node_gives_its_row_back_plain(monkeypatch: pytest.Monke
         trie.release(plain)
         assert trie.match([5, 5, 1]).num_cached_tokens == 2
         trie.check()
+
+
+def test_a_parent_keeping_two_children_is_not_evictable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parent of three leaves loses one to eviction: it keeps a dict of two children,
+    so it stays cached, and only leaves are evicted after it ([R10], [R23])."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in BACKENDS:
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        for last in (1, 2, 3):
+            seq = trie.match([0, 0, last, last, 9])
+            trie.allocate(seq, 5)
+            trie.commit(seq, 4)
+            trie.release(seq)
+        assert trie.evict(1) == 1
+        trie.check()
+        assert trie.match([0, 0, 9]).num_cached_tokens == 2
+
+
+def test_settling_reads_every_fact_of_the_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached block held by three requests, then by none, is evictable: the state a
+    release settles it to depends on its reference count (3, 2, then 1), also when
+    every one of those facts was memoized by an earlier round ([R10])."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    for backend in BACKENDS:
+        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        for _ in range(2):  # the second round finds every fact memoized
+            first = trie.match([0, 0, 1])
+            trie.allocate(first, 3)
+            trie.commit(first, 2)
+            trie.release(first)
+            holders = [trie.match([0, 0, 1]) for _ in range(3)]
+            assert [h.num_cached_tokens for h in holders] == [2, 2, 2]
+            for holder in holders:
+                trie.release(holder)
+            assert trie.evict(1) == 1
+            trie.check()
 
 
 # ------------------------------------------------------------------ paired backends
