@@ -222,6 +222,8 @@ def test_node_lru_refuses_what_lru_index_leaves_undefined() -> None:
         lru.add(1)  # already indexed
     with pytest.raises(IndexError):
         lru.add(2)  # no such row
+    with pytest.raises(ValueError, match="a node id is >= 0"):
+        lru.add(-1)
     assert "x" not in lru and 1 in lru and 0 not in lru
     for ticks, serials in (([0, 0, 0], [0, 1]), ([0, 0], [0, 1, 2])):  # one column short
         short = NATIVE.NodeLRU(ticks=ticks, serials=array("q", serials))
@@ -305,6 +307,11 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         NATIVE.incref_all(refs, [1, "2"])
     with pytest.raises(ValueError, match="walk: keys must be a list and kids a dict"):
         NATIVE.walk((b"",), 0, array("i", [-1]), bytearray(8), {}, 8)
+    walked = NATIVE.walk(  # by keyword, as documented
+        keys=[b"\0" * 8], start_node=0, child=array("i", [1, -1]), tokens=bytearray(16),
+        kids={}, width=8,
+    )  # fmt: skip
+    assert walked == [1]
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         NATIVE.hold_path([0], array("i", [0]), array("i", [0]), refs)
     with pytest.raises(IndexError, match="set_ticks: no such node"):
@@ -540,6 +547,8 @@ def test_a_walk_stops_at_the_first_missing_block_under_a_node_of_many(
             trie.release(seq)
         assert trie.match([2, 2, 1, 1, 0, 0, 9]).num_cached_tokens == 0
         assert trie.match([1, 1, 0, 0, 9]).num_cached_tokens == 2
+        deeper = trie.match([0, 0, 7, 7, 9])  # walks block 0 (of size 2), misses block 1
+        assert (deeper.num_cached_tokens, deeper.branch_step) == (2, 2)
 
 
 def test_an_allocate_that_needs_no_block_takes_none_and_counts_no_take(
