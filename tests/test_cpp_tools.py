@@ -47,8 +47,9 @@ def test_native_sources_are_the_cpp_files_directly_in_native_src(tmp_path: Path)
 
 def test_the_tree_is_the_checkouts_files_as_git_lists_them(tmp_path: Path) -> None:
     """Tracked and untracked files are copied, ignored ones are not; an unchanged
-    file is not rewritten (ninja sees no change); a file the checkout lost goes;
-    files the tree made itself stay."""
+    file is not rewritten (ninja sees no change), a changed one is stamped now even
+    when the checkout's copy is older (ninja rebuilds); a file the checkout lost
+    goes; files the tree made itself stay."""
     root = _git_checkout(
         tmp_path / "root",
         {".gitignore": "build/\n*.so\n", "a.py": "a", "src/b.cpp": "b", "x.so": "binary"},
@@ -61,8 +62,10 @@ def test_the_tree_is_the_checkouts_files_as_git_lists_them(tmp_path: Path) -> No
     (tree / "made.so").write_text("the tree's own")
     (root / "src/b.cpp").write_text("b2")
     (root / "c.hpp").write_text("c")
+    os.utime(root / "src/b.cpp", (old - 1000, old - 1000))  # older than the tree's copy
     assert native_build.sync_tree(root, tree) == ["c.hpp", "src/b.cpp"]
     assert (tree / "a.py").stat().st_mtime == old and (tree / "src/b.cpp").read_text() == "b2"
+    assert (tree / "src/b.cpp").stat().st_mtime > old, "a file put back looks new to ninja"
     (root / "a.py").unlink()
     assert native_build.sync_tree(root, tree) == []
     assert not (tree / "a.py").exists() and (tree / "made.so").exists()

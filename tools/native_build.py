@@ -147,7 +147,9 @@ def checkout_files(root: Path = ROOT) -> list[str]:
 
 def sync_tree(root: Path, tree: Path) -> list[str]:
     """Make `tree` a copy of `root`'s `checkout_files`: copy each file whose bytes
-    differ (with its modification time), and remove the files a previous sync copied
+    differ, stamped now (not with the checkout's modification time: a file put back
+    after a killed mutation run must look newer than the mutant's build outputs, or
+    ninja keeps the mutant's module), and remove the files a previous sync copied
     that the checkout no longer has. Files the tree made itself (the installed
     module, caches) are left alone. Returns the files copied."""
     files = checkout_files(root)
@@ -160,7 +162,8 @@ def sync_tree(root: Path, tree: Path) -> list[str]:
         if target.is_file() and target.read_bytes() == source.read_bytes():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target)
+        shutil.copyfile(source, target)
+        shutil.copymode(source, target)
         copied.append(name)
     for name in sorted(before - set(files)):
         (tree / name).unlink(missing_ok=True)
