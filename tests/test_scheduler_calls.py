@@ -435,3 +435,21 @@ def test_drop_checkpoint_finds_a_tail_by_its_extra_identity() -> None:
     for s in (seq, plain, other):
         trie.release(s)
     trie.check()
+
+
+@pytest.mark.parametrize("extra", [None, [None, "img"]])
+def test_blocks_committed_after_the_hash_index_exists_are_pinned_by_hash(extra: object) -> None:
+    """[R66]: the hash index, built by the first `pin_blocks`, takes every block a later
+    commit attaches, under the request's namespace (the native commit for a plain
+    request, the Python core's for one with an extra identity)."""
+    trie = kv_trie()
+    trie.unpin_blocks(trie.pin_blocks([], namespace="ns"))  # the index now exists
+    seq = trie.match(PROMPT, namespace="ns", extra=extra)
+    trie.allocate(seq, 17)
+    trie.commit(seq, 16)
+    hashes = [h for e in trie.drain_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert len(hashes) == 4
+    receipt = trie.pin_blocks(hashes, namespace="ns")
+    assert receipt.pinned == 4
+    assert trie.pin_blocks(hashes).pinned == 0  # another namespace's blocks
+    trie.check()
