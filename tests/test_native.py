@@ -54,6 +54,13 @@ BACKENDS = ("python", "native") if NATIVE is not None else ("python",)
 """The cores a test that names its backends runs (with `BLOCKTRIE_BACKEND` unset)."""
 
 
+def _tiny(monkeypatch: pytest.MonkeyPatch, backend: str, num_blocks: int = 8) -> BlockTrie:
+    """A trie of 2-token blocks on the core `backend` names: `BLOCKTRIE_BACKEND` is
+    unset first (the mutation tool sets it, which would make every trie native)."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    return BlockTrie(CacheConfig(block_size=2, num_blocks=num_blocks, backend=backend))
+
+
 # ------------------------------------------------------------------ backend choice
 
 
@@ -353,9 +360,8 @@ def test_a_plain_block_beside_a_wide_only_child_is_a_new_node(
 ) -> None:
     """A plain key under a parent whose only child has a wide key (an extra identity)
     never equals it: the commit attaches a new node beside it ([R5], [R19])."""
-    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         first = trie.match([0, 0, 1, 1, 5], extra=[None, "img"])
         trie.allocate(first, 5)
         trie.commit(first, 4)
@@ -376,8 +382,7 @@ def test_a_commit_refuses_a_cached_node_without_a_block(monkeypatch: pytest.Monk
     commit refuses one (a trie corrupted on purpose) instead of deduplicating onto it."""
     from cache.node import NO_BLOCK
 
-    monkeypatch.delenv(native.ENV, raising=False)
-    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    trie = _tiny(monkeypatch, "native")
     first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
     for seq in (first, second):
         trie.allocate(seq, 5)
@@ -392,9 +397,8 @@ def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.Monkey
     into settles through `Evictor._implied`, which derives its state from the spec;
     both cores then free the same chain, in the same order, and fill the memo alike."""
     results = []
-    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         seq = trie.match([0, 0, 1, 1, 2, 2, 3])
         trie.allocate(seq, 7)
         trie.commit(seq, 6)
@@ -419,9 +423,8 @@ def test_the_kernels_leave_what_they_do_not_check_to_the_python_core(
     the contract's ([R1], [R57])."""
     from spec.errors import InvalidArgument, InvalidType, SequenceNotLive
 
-    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         with pytest.raises(InvalidArgument, match="lone surrogate"):
             trie.match([1, 2, 3], namespace="\ud800")
         assert trie.match([1, 2, 3], namespace="é").num_cached_tokens == 0
@@ -446,10 +449,9 @@ def test_the_native_commit_leaves_a_dead_or_foreign_sequence_to_the_python_core(
 ) -> None:
     from spec.errors import SequenceNotLive
 
-    monkeypatch.delenv(native.ENV, raising=False)  # each trie names its core
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
-        other = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
+        other = _tiny(monkeypatch, backend)
         seq, foreign = trie.match([1, 2, 3]), other.match([1, 2, 3])  # the same serial
         trie.allocate(seq, 3)
         other.allocate(foreign, 3)
@@ -468,8 +470,7 @@ def test_the_native_commit_refuses_a_held_block_counted_free(
 ) -> None:
     """Deduplicating onto a cached block ([R18]) needs the cached block and the
     request's own one held; a trie corrupted on purpose to count one free is refused."""
-    monkeypatch.delenv(native.ENV, raising=False)
-    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    trie = _tiny(monkeypatch, "native")
     first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
     for seq in (first, second):
         trie.allocate(seq, 5)
@@ -489,8 +490,7 @@ def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.Mon
 
     from spec.errors import IllegalTransition
 
-    monkeypatch.delenv(native.ENV, raising=False)
-    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    trie = _tiny(monkeypatch, "native")
     seq = trie.match([0, 0, 1])
     trie.allocate(seq, 3)
     trie.commit(seq, 2)
@@ -537,9 +537,8 @@ def test_a_walk_stops_at_the_first_missing_block_under_a_node_of_many(
 ) -> None:
     """[R12]: a miss under a node with several children ends the walk, even where a
     later block's key is one of that node's children."""
-    monkeypatch.delenv(native.ENV, raising=False)
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         for prompt in ([0, 0, 9], [1, 1, 9]):  # the root gets two children
             seq = trie.match(prompt)
             trie.allocate(seq, 3)
@@ -554,9 +553,8 @@ def test_a_walk_stops_at_the_first_missing_block_under_a_node_of_many(
 def test_an_allocate_that_needs_no_block_takes_none_and_counts_no_take(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv(native.ENV, raising=False)
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         seq = trie.match([1, 2, 3])
         trie.allocate(seq, 3)
         taken = (trie.faults.count, trie.num_free_blocks)
@@ -571,8 +569,7 @@ def test_the_native_release_refuses_a_held_block_counted_free(
 ) -> None:
     """A trie corrupted on purpose (the request's first block counted free): the release
     is refused whole, every other count as it was."""
-    monkeypatch.delenv(native.ENV, raising=False)
-    trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend="native"))
+    trie = _tiny(monkeypatch, "native")
     seq = trie.match([1, 2, 3])
     trie.allocate(seq, 3)
     refs = trie._kv.refs  # type: ignore[attr-defined]
@@ -588,9 +585,8 @@ def test_a_commit_below_what_is_committed_goes_to_the_python_core(
 ) -> None:
     from spec.errors import InvalidArgument
 
-    monkeypatch.delenv(native.ENV, raising=False)
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         seq = trie.match([1, 2, 3])
         trie.allocate(seq, 3)
         trie.commit(seq, 1)
@@ -617,9 +613,8 @@ def test_fast_attach_needs_the_hash_function_when_events_are_on() -> None:
 def test_an_evicted_wide_node_gives_its_row_back_plain(monkeypatch: pytest.MonkeyPatch) -> None:
     """Evicting the only node with a wide key (an extra identity) forgets its key: the
     row, reused by a plain block, then holds that block's key ([R5], [R12])."""
-    monkeypatch.delenv(native.ENV, raising=False)
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=2, backend=backend))
+        trie = _tiny(monkeypatch, backend, 2)
         wide = trie.match([0, 0, 1], extra=["img"])
         trie.allocate(wide, 3)
         trie.commit(wide, 2)
@@ -636,9 +631,8 @@ def test_an_evicted_wide_node_gives_its_row_back_plain(monkeypatch: pytest.Monke
 def test_a_parent_keeping_two_children_is_not_evictable(monkeypatch: pytest.MonkeyPatch) -> None:
     """A parent of three leaves loses one to eviction: it keeps a dict of two children,
     so it stays cached, and only leaves are evicted after it ([R10], [R23])."""
-    monkeypatch.delenv(native.ENV, raising=False)
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         for last in (1, 2, 3):
             seq = trie.match([0, 0, last, last, 9])
             trie.allocate(seq, 5)
@@ -653,9 +647,8 @@ def test_settling_reads_every_fact_of_the_memo(monkeypatch: pytest.MonkeyPatch) 
     """A cached block held by three requests, then by none, is evictable: the state a
     release settles it to depends on its reference count (3, 2, then 1), also when
     every one of those facts was memoized by an earlier round ([R10])."""
-    monkeypatch.delenv(native.ENV, raising=False)
     for backend in BACKENDS:
-        trie = BlockTrie(CacheConfig(block_size=2, num_blocks=8, backend=backend))
+        trie = _tiny(monkeypatch, backend)
         for _ in range(2):  # the second round finds every fact memoized
             first = trie.match([0, 0, 1])
             trie.allocate(first, 3)
