@@ -188,6 +188,7 @@ class CacheVersusModel(RuleBasedStateMachine):
             register(self.cache, self.registry)
         self.exported = ExportedMetrics(self.model)
         self.most_pins = 0  # since the last reset: a floor for the exported peak_pins
+        self.seen_resets = 0  # the model's `resets` when `most_pins` last restarted
 
     # ------------------------------------------------------------ helpers
 
@@ -828,8 +829,8 @@ class CacheVersusModel(RuleBasedStateMachine):
         """`cache.metrics` scraped now gives the values `spec.metrics` states: every
         counter at its high-water mark since the last reset, every gauge as it is."""
         expected = self.exported.scrape()
-        if self.model.resets != getattr(self, "_seen_resets", 0):
-            self._seen_resets = self.model.resets
+        if self.model.resets != self.seen_resets:
+            self.seen_resets = self.model.resets
             self.most_pins = 0
         self.most_pins = max(self.most_pins, self.model.num_pins)
         if self.registry is None:
