@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -40,7 +41,7 @@ import cache.native as native
 from cache import BlockTrie, CacheConfig, Sequence, eviction
 from cache.lru import LRUIndex
 from cache.node import state_code
-from spec.errors import CacheError, ConfigError
+from spec.errors import CacheError, ConfigError, InvalidArgument
 from spec.lifecycle import LIFECYCLES, NODE, NodeState, NodeTrigger
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,6 +322,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     assert walked == [1]
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         NATIVE.hold_path([0], array("i", [0]), array("i", [0]), refs)
+    with pytest.raises(ValueError, match=r"^held must be a list$"):
+        NATIVE.hold_path((0,), array("i", [0]), bytearray(1), refs)
     with pytest.raises(IndexError, match="set_ticks: no such node"):
         NATIVE.set_ticks([0, 0], [2], 5)
     with pytest.raises(ValueError, match="hold_path: a held node's block is free"):
@@ -352,7 +355,211 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     table.tokens, table._take = bytearray(2), lambda n: [1]  # no room for row 1's key
     with pytest.raises(IndexError, match=outside):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
-    assert refs == [0, 1, 1, 0]
+    table.tokens, table._take = bytearray(64), lambda n: [5]  # a key's room, but no row 5
+    with pytest.raises(IndexError, match=outside):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
+    table._take = lambda n: [1]
+    held = [0, 1, 1, 0, 1]  # block 4 is held, but the owner column has 4 blocks
+    for owner_blocks in (4, 3):  # one past the column's end, and further
+        with pytest.raises(IndexError, match=outside):
+            owner = array("i", [0] * owner_blocks)
+            NATIVE.attach_chain(table, 0, [b"ab"], 0, [4], 1, 1, 0, owner, held)
+    assert (refs, held) == ([0, 1, 1, 0], [0, 1, 1, 0, 1])
+
+
+@needs_native
+def test_a_refused_column_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A column refused for its item size is released before the error: the caller
+    can still resize it (a column a kernel still exported would raise BufferError)."""
+    from array import array
+
+    assert NATIVE is not None
+    free = array("q", [3])
+    with pytest.raises(ValueError, match="column free_list: items of 4 bytes"):
+        NATIVE.take([0, 0, 0, 0], free, 1)
+    free.append(2)  # no export left behind
+    state = bytearray(4)
+    with pytest.raises(ValueError, match="column block: items of 4 bytes"):
+        NATIVE.hold_path([0], array("q", [0]), state, [1])
+    state.extend(b"\0")
+    assert (list(free), len(state)) == ([3, 2], 5)
+
+
+@needs_native
+def test_the_spec_tables_take_every_byte_code() -> None:
+    """`configure` takes state codes 0 and 255 on both sides of a row (a code is one
+    byte), and `tables` gives every row back, a destination of 0 included; the spec's
+    own tables are put back after."""
+    assert NATIVE is not None
+    before = NATIVE.tables()
+    root, evictable, freed_from = before
+    edges = {0: 0, 255: 255, 7: 0}
+    try:
+        NATIVE.configure(root, evictable, {**freed_from, **edges}, -1, -1, -2, -1)
+        assert NATIVE.tables() == (root, evictable, {**freed_from, **edges})
+    finally:
+        native._configure(NATIVE)
+    assert NATIVE.tables() == before
+
+
+def test_an_empty_request_is_refused_by_both_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`match([])` is refused ([R1]) on either core, before anything changes: the native
+    kernel hands an empty list to the Python core, whose error is the contract's."""
+    for backend in BACKENDS:
+        trie = _tiny(monkeypatch, backend)
+        before = trie.snapshot()
+        with pytest.raises(InvalidArgument, match="at least one token"):
+            trie.match([])
+        assert trie.snapshot() == before
+
+
+def test_a_plain_key_never_equals_a_lone_wide_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The only wide node of a trie (an extra identity on block 1) keeps a row of
+    token bytes it never uses (zeros): a plain block of zero tokens under the same
+    parent, of which the wide node is the only child, is a new node beside it, not
+    a hit on it ([R5], [R19])."""
+    results = []
+    for backend in BACKENDS:
+        trie = _tiny(monkeypatch, backend)
+        wide = trie.match([5, 5, 0, 0, 1], extra=[None, "img"])
+        trie.allocate(wide, 5)
+        trie.commit(wide, 4)
+        plain = trie.match([5, 5, 0, 0, 1])
+        assert plain.num_cached_tokens == 2
+        trie.allocate(plain, 5)
+        trie.commit(plain, 4)
+        assert plain.block_ids[1] != wide.block_ids[1]
+        assert trie.num_cached_blocks == 3
+        trie.check()
+        results.append((wide.block_ids, plain.block_ids, trie.snapshot()))
+    assert all(result == results[0] for result in results)
+
+
+@needs_native
+def test_fast_attach_commit_takes_its_arguments_by_keyword(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`FastAttach.commit`'s arguments have the names `BlockTrie.commit` documents for
+    it (`cache/trie.py` passes them by position)."""
+    trie: Any = _tiny(monkeypatch, "native")
+    seq = trie.match([0, 0, 1])
+    trie.allocate(seq, 3)
+    done = trie._attach.fast.commit(
+        seq=seq, num_tokens=2, trie=trie, live=trie._live, evictor=trie._evictor,
+        attach=trie._attach, block_pins=trie._block_pins,
+    )  # fmt: skip
+    assert done is True
+    assert (seq.num_committed_tokens, trie.num_cached_blocks) == (2, 1)
+    trie.check()
+
+
+@needs_native
+def test_the_native_core_matches_commits_and_evicts_in_its_own_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For the usual request (plain tokens, no extra identity, no host tier) the native
+    core's match, commit and eviction do the whole operation: the Python core's
+    fallbacks (`token_list` for a match, `Attach.commit`, `Evictor._free` for each
+    freed leaf) do not run, as they do for what the kernels decline."""
+    from cache import attach, lookup
+
+    trie = _tiny(monkeypatch, "native", 4)
+    slow: list[str] = []
+
+    def spy(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            slow.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    spy(lookup, "token_list")
+    spy(attach.Attach, "commit")
+    spy(eviction.Evictor, "_free")
+    for prompt in ([0, 0, 1, 1, 2], [3, 3, 4, 4, 2], [0, 0, 1, 1, 2]):
+        seq = trie.match(prompt)
+        trie.allocate(seq, 5)
+        trie.commit(seq, 4)
+        trie.release(seq)
+    assert trie.evict(2) == 2
+    trie.check()
+    assert slow == []
+    seq = trie.match([0, 0, 1], extra=["img"])  # an extra identity: the Python core
+    trie.allocate(seq, 3)
+    trie.commit(seq, 2)
+    assert slow == ["token_list", "commit"]
+
+
+@needs_native
+def test_the_native_allocate_takes_free_blocks_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With enough free blocks, the native core's allocate takes them in its one call:
+    the Python core's allocate (`BlockTrie._blocks_needed` onwards) does not run."""
+    trie = _tiny(monkeypatch, "native")
+    slow: list[object] = []
+    needed = BlockTrie._blocks_needed
+
+    def counted(self: BlockTrie, *args: Any) -> int:
+        slow.append(args)
+        return needed(self, *args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(BlockTrie, "_blocks_needed", counted)
+    seq = trie.match([0, 0, 1, 1, 2])
+    trie.allocate(seq, 5)
+    assert (len(seq.block_ids), trie.num_free_blocks, slow) == (3, 5, [])
+    with pytest.raises(InvalidArgument, match=r"outside 0\.\.5"):  # refused by the Python core
+        trie.allocate(seq, 9)
+    assert slow
+
+
+@needs_native
+def test_the_native_release_settles_from_the_memo_unless_checkpoints_exist(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A release on the native core settles a plain node from the settled memo itself,
+    without calling back into `Evictor.settle`; once the trie holds a checkpoint (a
+    pin the memo's facts leave out) it leaves settling to the Python core."""
+    calls: list[int] = []
+    settle = eviction.Evictor.settle
+
+    def counted(self: eviction.Evictor, node: int) -> None:
+        calls.append(node)
+        settle(self, node)
+
+    plain = _tiny(monkeypatch, "native")
+    seq = plain.match([0, 0, 1])
+    plain.allocate(seq, 3)
+    plain.commit(seq, 2)
+    plain.release(seq)
+    monkeypatch.setattr(eviction.Evictor, "settle", counted)
+    for _ in range(2):  # the first round fills the memo
+        held, other = plain.match([0, 0, 1]), plain.match([0, 0, 1])
+        assert held.num_cached_tokens == other.num_cached_tokens == 2
+        for seq in (held, other):
+            plain.allocate(seq, 3)
+        calls.clear()  # the match settled the hit (the match kernel calls back for that)
+        plain.release(other)  # still held by one: it stays `cached` (code 0)
+        plain.release(held)  # evictable
+    assert calls == [], "settled from the memo, natively"
+    config = CacheConfig(
+        block_size=2, num_blocks=8, backend="native", num_checkpoint_slots=2,
+        state_shapes={"s": (2,)},
+    )  # fmt: skip
+    trie = BlockTrie(config)
+    seq = trie.match([5, 5, 1])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 2)
+    assert trie.save(seq, 2, {"s": torch.zeros(2)}) is not None
+    trie.poll()
+    trie.release(seq)
+    held = trie.match([5, 5, 1])
+    assert held.num_cached_tokens == 2
+    trie.allocate(held, 3)
+    calls.clear()
+    trie.release(held)
+    assert calls, "with a checkpoint in the trie, the Python core settles"
+    trie.check()
 
 
 def test_a_plain_block_beside_a_wide_only_child_is_a_new_node(
@@ -656,10 +863,10 @@ def test_settling_reads_every_fact_of_the_memo(monkeypatch: pytest.MonkeyPatch) 
             trie.release(first)
             holders = [trie.match([0, 0, 1]) for _ in range(3)]
             assert [h.num_cached_tokens for h in holders] == [2, 2, 2]
-            for holder in holders:
-                trie.release(holder)
-            assert trie.evict(1) == 1
-            trie.check()
+            for left in (2, 1, 0):
+                trie.release(holders[left])
+                trie.check()  # evictable exactly when no request holds it (invariant 7)
+                assert trie.evict(1) == (1 if left == 0 else 0)
 
 
 # ------------------------------------------------------------------ paired backends
