@@ -267,7 +267,8 @@ def test_main_records_a_run_unless_an_accepted_equivalent_is_stale(
         return [nm.NativeFileScore(path, killed=5, mutants=900, share=5)], stale
 
     monkeypatch.setattr(nm, "run_mutants", run_mutants)
-    argv = ["--paths", path, "--sample", "5", "--seed", "2", "--record"]
+    work = ["--work-dir", str(tmp_path / "work")]
+    argv = ["--paths", path, "--sample", "5", "--seed", "2", "--record", *work]
     assert nm.main(argv) == 1
     assert "stale accepted equivalent (no such mutant now): native/src/lru.hpp:0123456789ab" in (
         capsys.readouterr().err
@@ -278,3 +279,31 @@ def test_main_records_a_run_unless_an_accepted_equivalent_is_stale(
     assert nm.load_record(record)[path].score.killed == 5
     assert nm.main(["--recorded", "--paths", path]) == 0
     assert nm.main(["--recorded"]) == 1  # the other files were never recorded
+
+
+def test_a_record_keeps_the_equivalents_the_run_started_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An entry added to the list while a run goes on was not left out of that run's
+    score: the record keeps the list as it was at the start (and says so), and
+    `--recorded` then counts the file as unscored until it is run again."""
+    record, listing = tmp_path / "scores.json", _listing(tmp_path)
+    monkeypatch.setattr(nm, "RECORD", record)
+    monkeypatch.setattr(nm, "EQUIVALENT", listing)
+    path = "native/src/lru.hpp"
+    before = nm.listed_for(path, listing)
+
+    def run_mutants(
+        runner: nm.Runner, paths: list[str], sample: int | None, seed: int, used: Path
+    ) -> tuple[list[nm.NativeFileScore], dict[str, list[str]]]:
+        assert nm.listed_for(path, used) == before
+        listing.write_text(listing.read_text() + f"{path}:0123456789ab\n")  # meanwhile
+        assert nm.listed_for(path, used) == before
+        return [nm.NativeFileScore(path, killed=5, mutants=9, share=5)], {}
+
+    monkeypatch.setattr(nm, "run_mutants", run_mutants)
+    argv = ["--paths", path, "--record", "--work-dir", str(tmp_path / "work")]
+    assert nm.main(argv) == 0
+    assert "changed during the run" in capsys.readouterr().err
+    assert nm.load_record(record)[path].equivalents == before
+    assert nm.main(["--recorded", "--paths", path]) == 1

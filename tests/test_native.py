@@ -386,6 +386,37 @@ def test_a_refused_column_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_native
+def test_a_column_must_be_one_dimensional() -> None:
+    """A column is a flat buffer: one of the right item size but two dimensions is
+    refused by name, as one of the wrong item size is."""
+    from array import array
+
+    assert NATIVE is not None
+    flat = array("i", [3, 2, 1, 0])
+    square = memoryview(flat).cast("B").cast("i", (2, 2))
+    with pytest.raises(ValueError, match="column free_list: items of 4 bytes"):
+        NATIVE.take([0, 0, 0, 0], square, 1)
+    square.release()
+    assert list(flat) == [3, 2, 1, 0]
+
+
+@needs_native
+def test_a_free_list_that_takes_no_append_raises() -> None:
+    """The free list a kernel appends freed blocks to must take them: an object whose
+    `append` fails raises that error (never a crash, never a silent loss)."""
+    assert NATIVE is not None
+
+    class Full(list[int]):
+        def append(self, item: int) -> None:
+            raise OverflowError("full")
+
+    with pytest.raises(OverflowError, match="full"):
+        NATIVE.decref_all([0, 1], Full(), [1])
+    with pytest.raises(AttributeError):
+        NATIVE.decref_all([0, 1], (), [1])
+
+
+@needs_native
 def test_the_spec_tables_take_every_byte_code() -> None:
     """`configure` takes state codes 0 and 255 on both sides of a row (a code is one
     byte), and `tables` gives every row back, a destination of 0 included; the spec's

@@ -245,6 +245,15 @@ def listed_for(path: str, listing: Path = EQUIVALENT) -> list[str]:
     return sorted(n for n in mutation.load_equivalent(listing) if n.startswith(f"{path}:"))
 
 
+def snapshot_listing(listing: Path, work: Path) -> Path:
+    """A copy of `listing` in `work` (empty when there is none): what a run scores
+    with and records, whatever happens to `listing` meanwhile."""
+    work.mkdir(parents=True, exist_ok=True)
+    copy = work / "equivalents-at-start.txt"
+    copy.write_bytes(listing.read_bytes() if listing.exists() else b"")
+    return copy
+
+
 def stale_equivalents(
     path: str, mutants: Sequence[Mutant], listing: Path = EQUIVALENT
 ) -> list[str]:
@@ -518,7 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner = Runner(
             ROOT, args.work_dir, args.tests, args.build_type, args.timeout, args.pytest_arg
         )
-        scores, stale = run_mutants(runner, paths, args.sample, args.seed, EQUIVALENT)
+        # The list as the run starts: the run scores and the record keeps this one,
+        # even if the checkout's list is edited while the run goes on (hours).
+        listing = snapshot_listing(EQUIVALENT, args.work_dir)
+        scores, stale = run_mutants(runner, paths, args.sample, args.seed, listing)
     except NativeToolError as exc:
         print(f"native_mutation: {exc}", file=sys.stderr)
         return 2
@@ -533,8 +545,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stale:
             print(f"not recorded: fix {EQUIVALENT.name} first", file=sys.stderr)
             return 1
-        save_record(scores, args.seed, ROOT, RECORD, EQUIVALENT)
+        save_record(scores, args.seed, ROOT, RECORD, listing)
         print(f"recorded {len(scores)} file(s) in {RECORD}")
+        if listing.read_bytes() != (EQUIVALENT.read_bytes() if EQUIVALENT.exists() else b""):
+            print(
+                f"{EQUIVALENT.name} changed during the run: recorded with the list it "
+                "started with (`--recorded` counts a file whose entries changed as unscored)",
+                file=sys.stderr,
+            )
     return 0 if ok else 1
 
 
