@@ -175,6 +175,8 @@ def test_a_pinned_checkpoint_is_never_replaced() -> None:
     assert first is not None
     assert trie.save(seq, 10, state(2.0)) is None, "in flight: skipped, not replaced"
     assert trie.stats.checkpoints_skipped == 1
+    assert trie.save(seq, 10, state(3.0)) is None, "still in flight"
+    assert trie.stats.checkpoints_skipped == 2, "each skip is counted"
     trie.release(seq)
     trie.check()
 

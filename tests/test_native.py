@@ -322,6 +322,9 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     assert walked == [1]
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         NATIVE.hold_path([0], array("i", [0]), array("i", [0]), refs)
+    assert NATIVE.incref_all(refs, [1, 9]) == 1  # a block past the pool is refused
+    assert NATIVE.decref_all(refs, array("i"), [2, 4]) == 1  # (4: past the pool's 4 counts)
+    assert refs == [0, 1, 1, 0]
     with pytest.raises(ValueError, match=r"^held must be a list$"):
         NATIVE.hold_path((0,), array("i", [0]), bytearray(1), refs)
     with pytest.raises(IndexError, match="set_ticks: no such node"):
@@ -491,7 +494,8 @@ def test_the_native_core_matches_commits_and_evicts_in_its_own_calls(
     """For the usual request (plain tokens, no extra identity, no host tier) the native
     core's match, commit and eviction do the whole operation: the Python core's
     fallbacks (`token_list` for a match, `Attach.commit`, `Evictor._free` for each
-    freed leaf) do not run, as they do for what the kernels decline."""
+    freed leaf, `Evictor._implied` for a parent's state the settled memo knows) do not
+    run, as they do for what the kernels decline."""
     from cache import attach, lookup
 
     trie = _tiny(monkeypatch, "native", 4)
@@ -506,16 +510,27 @@ def test_the_native_core_matches_commits_and_evicts_in_its_own_calls(
 
         monkeypatch.setattr(owner, name, counted)
 
+    def serve() -> None:
+        for prompt in ([0, 0, 1, 1, 2], [3, 3, 4, 4, 2], [0, 0, 1, 1, 2]):
+            seq = trie.match(prompt)
+            trie.allocate(seq, 5)
+            trie.commit(seq, 4)
+            trie.release(seq)
+
+    def evict_all() -> None:
+        cached = trie.num_cached_blocks
+        assert cached >= 2  # a chain: its leaf first, then the parent it leaves evictable
+        assert trie.evict(cached) == cached and trie.num_cached_blocks == 0
+        trie.check()
+
+    serve()
+    evict_all()  # the settled memo learns every fact these steps meet
     spy(lookup, "token_list")
     spy(attach.Attach, "commit")
     spy(eviction.Evictor, "_free")
-    for prompt in ([0, 0, 1, 1, 2], [3, 3, 4, 4, 2], [0, 0, 1, 1, 2]):
-        seq = trie.match(prompt)
-        trie.allocate(seq, 5)
-        trie.commit(seq, 4)
-        trie.release(seq)
-    assert trie.evict(2) == 2
-    trie.check()
+    serve()
+    spy(eviction.Evictor, "_implied")  # (a match's hit settles through the Python core)
+    evict_all()
     assert slow == []
     seq = trie.match([0, 0, 1], extra=["img"])  # an extra identity: the Python core
     trie.allocate(seq, 3)
@@ -717,6 +732,25 @@ def test_the_native_commit_refuses_a_held_block_counted_free(
     trie._kv.refs[block] = 0  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="commit: a held block is free"):
         trie.commit(second, 4)
+
+
+def test_evicting_a_block_counted_free_is_the_pools_double_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trie corrupted on purpose: an evictable node whose block is counted free.
+    Evicting it is the KV pool's double free on either core ([R23]), never a count
+    taken below zero."""
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend)
+        seq = trie.match([0, 0, 1])
+        trie.allocate(seq, 3)
+        trie.commit(seq, 2)
+        trie.release(seq)
+        block = trie._nodes.block[seq.path[0]]
+        trie._kv.refs[block] = 0
+        with pytest.raises(CacheError, match=f"block {block} is already free"):
+            trie.evict(1)
+        assert trie._kv.refs[block] == 0, backend
 
 
 @needs_native
