@@ -447,6 +447,23 @@ def test_an_empty_request_is_refused_by_both_cores(monkeypatch: pytest.MonkeyPat
         assert trie.snapshot() == before
 
 
+def test_a_fully_cached_prompt_leaves_its_last_block_to_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt of whole blocks, all cached, hits every block but its last: the engine
+    must compute at least the last token (it needs its logits), on either core."""
+    for backend in BACKENDS:
+        trie = _tiny(monkeypatch, backend)
+        seq = trie.match([0, 0, 1, 1, 5])
+        trie.allocate(seq, 5)
+        trie.commit(seq, 4)
+        trie.release(seq)
+        whole = trie.match([0, 0, 1, 1])
+        assert (whole.num_cached_tokens, whole.branch_step) == (2, 4), backend
+        trie.release(whole)
+        trie.check()
+
+
 def test_a_plain_key_never_equals_a_lone_wide_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """The only wide node of a trie (an extra identity on block 1) keeps a row of
     token bytes it never uses (zeros): a plain block of zero tokens under the same
