@@ -281,29 +281,38 @@ def test_main_records_a_run_unless_an_accepted_equivalent_is_stale(
     assert nm.main(["--recorded"]) == 1  # the other files were never recorded
 
 
-def test_a_record_keeps_the_equivalents_the_run_started_with(
+def test_a_record_keeps_what_the_run_started_with(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An entry added to the list while a run goes on was not left out of that run's
-    score: the record keeps the list as it was at the start (and says so), and
-    `--recorded` then counts the file as unscored until it is run again."""
+    """An entry added to the list, or a source edited, while a run goes on changed
+    nothing that run measured: the record keeps the list and the source's digest as
+    they were at the start (and says so), and `--recorded` then counts the file as
+    unscored until it is run again."""
+    root = tmp_path / "checkout"
+    path = "native/src/lru.hpp"
+    (root / "native" / "src").mkdir(parents=True)
+    (root / path).write_text("int lru;\n")
     record, listing = tmp_path / "scores.json", _listing(tmp_path)
+    monkeypatch.setattr(nm, "ROOT", root)
     monkeypatch.setattr(nm, "RECORD", record)
     monkeypatch.setattr(nm, "EQUIVALENT", listing)
-    path = "native/src/lru.hpp"
     before = nm.listed_for(path, listing)
+    digest = mutation.source_digest(path, root)
 
     def run_mutants(
         runner: nm.Runner, paths: list[str], sample: int | None, seed: int, used: Path
     ) -> tuple[list[nm.NativeFileScore], dict[str, list[str]]]:
         assert nm.listed_for(path, used) == before
         listing.write_text(listing.read_text() + f"{path}:0123456789ab\n")  # meanwhile
+        (root / path).write_text("int lru = 1;\n")
         assert nm.listed_for(path, used) == before
         return [nm.NativeFileScore(path, killed=5, mutants=9, share=5)], {}
 
     monkeypatch.setattr(nm, "run_mutants", run_mutants)
     argv = ["--paths", path, "--record", "--work-dir", str(tmp_path / "work")]
     assert nm.main(argv) == 0
-    assert "changed during the run" in capsys.readouterr().err
-    assert nm.load_record(record)[path].equivalents == before
+    err = capsys.readouterr().err
+    assert "changed during the run" in err and f"{path} changed during the run" in err
+    recorded = nm.load_record(record)[path]
+    assert (recorded.equivalents, recorded.source_sha256) == (before, digest)
     assert nm.main(["--recorded", "--paths", path]) == 1

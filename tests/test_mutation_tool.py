@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -615,3 +617,37 @@ def test_mutant_names_are_read_from_a_runs_meta_files(tmp_path: Path) -> None:
         "cache.a.x_f__mutmut_1",
         "cache.a.x_f__mutmut_2",
     ]
+
+
+def test_a_source_edited_during_a_run_is_not_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mutmut copies the sources when it starts: a file edited while it runs (hours)
+    would be recorded under code the run never saw. It is left out of the record,
+    with a message; the other files of the run are recorded."""
+    (tmp_path / "cache").mkdir()
+    for name in ("lru.py", "gate.py"):
+        (tmp_path / "cache" / name).write_text("x = 1\n")
+    meta = tmp_path / "mutants" / "cache"
+    meta.mkdir(parents=True)
+    for name, prefix in (("lru.py", "cache.lru"), ("gate.py", "cache.gate")):
+        (meta / f"{name}.meta").write_text(json.dumps({"exit_code_by_key": {f"{prefix}.m1": 1}}))
+    record = tmp_path / "scores.json"
+    monkeypatch.chdir(tmp_path)
+    for name, value in (("ROOT", tmp_path), ("RECORD", record)):
+        monkeypatch.setattr(mutation, name, value)
+    monkeypatch.setattr(mutation, "EQUIVALENT", tmp_path / "equivalent_mutants.txt")
+
+    run = subprocess.run
+
+    def mutmut(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        if "mutmut" not in command:
+            return run(command, **kwargs)  # git, for the record's commit
+        (tmp_path / "cache" / "lru.py").write_text("x = 2\n")  # edited meanwhile
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(subprocess, "run", mutmut)  # the one module tools.mutation calls
+    argv = ["--record", "--paths", "cache/lru.py", "cache/gate.py"]
+    assert mutation.main(argv) == 0
+    assert "cache/lru.py changed during the run: not recorded" in capsys.readouterr().err
+    assert set(mutation.load_record(record)) == {"cache/gate.py"}

@@ -662,6 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.recorded:
         scores, notes = recorded_scores(paths, ROOT, RECORD, EQUIVALENT)
         return 0 if report(scores, args.threshold, args.verbose, notes) else 1
+    measured = {p: source_digest(p, ROOT) for p in paths}  # what mutmut copies and runs
     if not args.report_only:
         # Derandomized, short Hypothesis runs: the covering tests run once per mutant.
         # The accepted equivalents run no tests (tests/conftest.py): they are left
@@ -679,6 +680,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mutmut exited with {done.returncode}", file=sys.stderr)
             return 2
     scores = read_scores(paths, ROOT, EQUIVALENT)
+    if args.record and not args.report_only:
+        edited = [p for p in paths if source_digest(p, ROOT) != measured[p]]
+        for p in edited:
+            print(f"{p} changed during the run: not recorded (run it again)", file=sys.stderr)
+        scores = [s for s in scores if s.path not in edited]
     if args.record:
         os.chdir(ROOT)
         with_results = [s.path for s in scores if s.counted or s.not_counted]

@@ -363,15 +363,17 @@ def save_record(
     root: Path = ROOT,
     path: Path = RECORD,
     listing: Path = EQUIVALENT,
+    measured: Mapping[str, str] | None = None,
 ) -> None:
-    """Record `scores` over `path`'s entries for other files."""
+    """Record `scores` over `path`'s entries for other files. `measured` gives each
+    file's SHA-256 as the run read it (else the file's now)."""
     entries = json.loads(path.read_text()) if path.exists() else {}
     commit, today = mutation.head_commit(root), datetime.date.today().isoformat()
     for s in scores:
         entries[s.path] = asdict(
             Recorded(
                 s,
-                mutation.source_digest(s.path, root),
+                (measured or {}).get(s.path) or mutation.source_digest(s.path, root),
                 listed_for(s.path, listing),
                 seed,
                 commit,
@@ -527,9 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner = Runner(
             ROOT, args.work_dir, args.tests, args.build_type, args.timeout, args.pytest_arg
         )
-        # The list as the run starts: the run scores and the record keeps this one,
-        # even if the checkout's list is edited while the run goes on (hours).
+        # The list and the sources as the run starts: the run scores and the record
+        # keeps these, even if the checkout is edited while the run goes on (an hour).
         listing = snapshot_listing(EQUIVALENT, args.work_dir)
+        measured = {path: mutation.source_digest(path, ROOT) for path in paths}
         scores, stale = run_mutants(runner, paths, args.sample, args.seed, listing)
     except NativeToolError as exc:
         print(f"native_mutation: {exc}", file=sys.stderr)
@@ -545,8 +548,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stale:
             print(f"not recorded: fix {EQUIVALENT.name} first", file=sys.stderr)
             return 1
-        save_record(scores, args.seed, ROOT, RECORD, listing)
+        save_record(scores, args.seed, ROOT, RECORD, listing, measured)
         print(f"recorded {len(scores)} file(s) in {RECORD}")
+        for path in paths:
+            if mutation.source_digest(path, ROOT) != measured[path]:
+                print(
+                    f"{path} changed during the run: recorded for the source it ran on "
+                    "(`--recorded` counts it as unscored)",
+                    file=sys.stderr,
+                )
         if listing.read_bytes() != (EQUIVALENT.read_bytes() if EQUIVALENT.exists() else b""):
             print(
                 f"{EQUIVALENT.name} changed during the run: recorded with the list it "
