@@ -167,6 +167,23 @@ def test_native_sources_cite_only_defined_rules() -> None:
 
 
 @needs_native
+def test_every_name_of_the_extension_is_documented() -> None:
+    """Each class and function `cache._native` exports says what it does (nanobind puts
+    a function's signature first in its `__doc__`: the text after it is the docstring),
+    and each names the Python core's code it is the twin of, or its rule."""
+    assert NATIVE is not None
+    undocumented = []
+    for name in sorted(n for n in dir(NATIVE) if not n.startswith("_") and n != "ABI"):
+        doc = getattr(NATIVE, name).__doc__ or ""
+        if doc.startswith(f"{name}("):  # a function: its signature, then its docstring
+            doc = doc.partition("\n\n")[2]
+        if not doc.strip():
+            undocumented.append(name)
+    assert undocumented == []
+    assert "LRUIndex" in NATIVE.NodeLRU.__doc__
+
+
+@needs_native
 def test_the_spec_tables_reach_the_native_core() -> None:
     assert NATIVE is not None and NATIVE.configured()
     free = NodeTrigger.FREE.value
@@ -336,6 +353,9 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     table: Any = type("Table", (), {"width": 2})()  # refused before anything of it is read
     with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), refs)
+    negative = [0, 1, 1, -1]  # a count below zero is no reference either
+    with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), negative)
     table.width, table._take = 2, lambda n: [1]  # rows taken; then its columns are read
     for name, column in (
         ("parent", array("i", [0] * 4)),
@@ -350,8 +370,17 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         setattr(table, name, column)
     with pytest.raises(ValueError, match="column tokens: items of 1 bytes"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
-    outside = "attach_chain: a row or block outside the table"
     table.tokens = bytearray(8)
+    for name, width in (("parent", 4), ("child", 4), ("block", 4), ("serial", 8),
+                        ("state", 1), ("namespace", 4)):  # fmt: skip
+        right = getattr(table, name)
+        setattr(table, name, array("h", [0] * 4))  # 2-byte items: wrong for every column
+        with pytest.raises(ValueError, match=f"column {name}: items of {width} bytes"):
+            NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
+        setattr(table, name, right)
+    with pytest.raises(ValueError, match="column owner: items of 4 bytes"):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("h", [0] * 4), refs)
+    outside = "attach_chain: a row or block outside the table"
     table._take = lambda n: [99]  # a row past the columns
     with pytest.raises(IndexError, match=outside):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
@@ -768,6 +797,32 @@ def test_evicting_a_block_counted_free_is_the_pools_double_free(
         with pytest.raises(CacheError, match=f"block {block} is already free"):
             trie.evict(1)
         assert trie._kv.refs[block] == 0, backend
+
+
+def test_a_double_free_met_mid_eviction_keeps_what_was_freed_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trie corrupted on purpose: of two evictable leaves, the younger's block is
+    counted free. `evict(2)` frees the older, then meets the double free: both cores
+    raise it with the older leaf freed and its block on the free list."""
+    outcomes = []
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend)
+        for prompt in ([0, 0, 1], [5, 5, 1]):
+            seq = trie.match(prompt)
+            trie.allocate(seq, 3)
+            trie.commit(seq, 2)
+            trie.release(seq)
+        younger = trie.match([5, 5, 1])
+        block = younger.block_ids[0]
+        trie.abort(younger)
+        free_before = trie.num_free_blocks
+        trie._kv.refs[block] = 0
+        with pytest.raises(CacheError, match=f"block {block} is already free"):
+            trie.evict(2)
+        outcomes.append((trie.num_free_blocks - free_before, trie._kv.free_ids()))
+    assert all(outcome == outcomes[0] for outcome in outcomes)
+    assert outcomes[0][0] == 1
 
 
 @needs_native

@@ -24,7 +24,8 @@ NB_MODULE(_native, m) {
           nb::arg("no_node"), nb::arg("no_child"), nb::arg("many"), nb::arg("no_block"),
           "Hand over the spec's tables (state codes, the NODE table's `free` row) and the "
           "node table's sentinels; every kernel refuses to run before this.");
-    m.def("configured", []() { return tables().configured; });
+    m.def("configured", []() { return tables().configured; },
+          "Whether `configure` has run (every kernel refuses to run before it).");
     m.def("tables", []() {
         const SpecTables& t = spec();
         nb::dict freed;
@@ -82,17 +83,35 @@ NB_MODULE(_native, m) {
              nb::arg("index"), nb::arg("evictor"))
         .def("allocate", &FastTrie::allocate, nb::arg("seq").none(), nb::arg("num_tokens").none(), nb::arg("live"));
 
-    m.def("incref_all", &incref_all, nb::arg("refs"), nb::arg("blocks"));
-    m.def("decref_all", &decref_all, nb::arg("refs"), nb::arg("free_list"), nb::arg("blocks"));
-    m.def("take", &take, nb::arg("refs"), nb::arg("free_list"), nb::arg("count"));
+    m.def("incref_all", &incref_all, nb::arg("refs"), nb::arg("blocks"),
+          "KVBlockPool.incref_all's loop: one more reference on each block. Returns -1, or "
+          "the index of the first block that is free or outside the pool (every count "
+          "then as it was).");
+    m.def("decref_all", &decref_all, nb::arg("refs"), nb::arg("free_list"), nb::arg("blocks"),
+          "KVBlockPool.decref_all's loop: one reference less on each block, a block whose "
+          "count reaches 0 appended to free_list. Returns -1, or the index of the first "
+          "block already free or outside the pool (every count then as it was).");
+    m.def("take", &take, nb::arg("refs"), nb::arg("free_list"), nb::arg("count"),
+          "KVBlockPool.take's loop: the last count free blocks (the stack's top first), "
+          "each with one reference; the caller checked that there are enough.");
     m.def("walk", &walk, nb::arg("keys"), nb::arg("start_node"), nb::arg("child"), nb::arg("tokens"),
-          nb::arg("kids"), nb::arg("width"));
+          nb::arg("kids"), nb::arg("width"),
+          "Lookup._walk for plain keys ([R12]): the nodes under start_node whose keys are "
+          "the leading keys, while a child with the exact key exists.");
     m.def("hold_path", &hold_path, nb::arg("held"), nb::arg("block"), nb::arg("state"),
-          nb::arg("refs"));
-    m.def("set_ticks", &set_ticks, nb::arg("ticks"), nb::arg("path"), nb::arg("tick"));
+          nb::arg("refs"),
+          "One more reference on each held node's block ([R6]); returns (their blocks, "
+          "the held nodes that were evictable, for the caller to settle).");
+    m.def("set_ticks", &set_ticks, nb::arg("ticks"), nb::arg("path"), nb::arg("tick"),
+          "Every node of path at tick, one shared int object ([R8]).");
     m.def("attach_chain", &attach_chain, nb::arg("table"), nb::arg("parent"), nb::arg("keys"),
           nb::arg("start"), nb::arg("blocks"), nb::arg("serial"), nb::arg("tick"), nb::arg("code"),
-          nb::arg("owner"), nb::arg("refs"));
+          nb::arg("owner"), nb::arg("refs"),
+          "NodeTable.new_chain and Attach._attach_chain for plain keys ([R19]): blocks "
+          "as a chain of new nodes under parent; the rows, or None (nothing changed) "
+          "when a key is not plain bytes of the table's width.");
     m.def("evict_inline", &evict_inline, nb::arg("n"), nb::arg("index"), nb::arg("evictor"),
-          nb::arg("table"), nb::arg("kv"), nb::arg("removed").none(), nb::arg("settled"));
+          nb::arg("table"), nb::arg("kv"), nb::arg("removed").none(), nb::arg("settled"),
+          "Evictor.evict's loop ([R10], [R23]): free the LRU evictable leaves until n "
+          "blocks are freed or nothing is evictable; returns the blocks freed.");
 }
