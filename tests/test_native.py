@@ -493,6 +493,24 @@ def test_a_fully_cached_prompt_leaves_its_last_block_to_compute(
         trie.check()
 
 
+def test_an_identity_key_never_walks_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose block 1 carries an extra identity, over a trie of plain nodes
+    only (no wide key anywhere yet): its key for block 1 is a tuple that starts with
+    the same token bytes, and it must not hit the plain block 1 ([R5], [R12]), on
+    either core: the walk compares it with `==`, never as a prefix of token bytes."""
+    for backend in BACKENDS:
+        trie = _tiny(monkeypatch, backend)
+        seq = trie.match([0, 0, 1, 1, 5])
+        trie.allocate(seq, 5)
+        trie.commit(seq, 4)
+        trie.release(seq)
+        assert not trie._nodes.wide  # type: ignore[attr-defined]
+        tagged = trie.match([0, 0, 1, 1, 5], extra=[None, "img"])
+        assert tagged.num_cached_tokens == 2, backend
+        trie.abort(tagged)
+        trie.check()
+
+
 def test_a_plain_key_never_equals_a_lone_wide_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """The only wide node of a trie (an extra identity on block 1) keeps a row of
     token bytes it never uses (zeros): a plain block of zero tokens under the same
