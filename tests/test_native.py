@@ -402,7 +402,9 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
 @needs_native
 def test_a_refused_column_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """A column refused for its item size is released before the error: the caller
-    can still resize it (a column a kernel still exported would raise BufferError)."""
+    can still resize it (a column a kernel still exported would raise BufferError).
+    An object that is no buffer, or no writable one, is refused with Python's own
+    error for it."""
     from array import array
 
     assert NATIVE is not None
@@ -410,6 +412,10 @@ def test_a_refused_column_is_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="column free_list: items of 4 bytes"):
         NATIVE.take([0, 0, 0, 0], free, 1)
     free.append(2)  # no export left behind
+    with pytest.raises(TypeError, match="bytes-like object is required"):  # no buffer at all
+        NATIVE.take([0, 0, 0, 0], [3], 1)
+    with pytest.raises(BufferError, match="not writable"):  # a buffer the kernel cannot write
+        NATIVE.take([0, 0, 0, 0], array("i", [3]).tobytes(), 1)
     state = bytearray(4)
     with pytest.raises(ValueError, match="column block: items of 4 bytes"):
         NATIVE.hold_path([0], array("q", [0]), state, [1])
