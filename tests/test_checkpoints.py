@@ -69,6 +69,22 @@ def test_evicting_a_pinned_node_is_an_illegal_transition() -> None:
     trie.check()
 
 
+def test_an_ssm_hit_checks_atomic_spans_at_its_checkpoint_not_at_block_ends() -> None:
+    """[R13], [R65]: an SSM hit ends at a checkpoint, which may sit inside a block, so
+    the spans are checked at the checkpoint's step. A hit of 6 tokens ends inside
+    neither (7, 9) nor (3, 5), though the block ends around it (8, then 4) each end
+    inside one: the hit is the checkpoint's 6 tokens, not cut back to nothing."""
+    trie, _copies = ssm_trie(manual=False)
+    seq = _prefill(trie, PROMPT)
+    assert trie.save(seq, 6, state(6.0)) is not None
+    trie.release(seq)
+    for spans, hit in (([], 6), ([(7, 9), (3, 5)], 6), ([(5, 7)], 0)):
+        again = trie.match(PROMPT, atomic_spans=spans)
+        assert again.num_cached_tokens == hit, spans
+        trie.abort(again)
+    trie.check()
+
+
 def test_ssm_match_ends_at_the_deepest_published_checkpoint() -> None:
     trie, _copies = ssm_trie(manual=False)
     seq = _prefill(trie, PROMPT)
