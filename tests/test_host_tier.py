@@ -398,6 +398,28 @@ def test_a_failed_load_cuts_every_request_that_reads_it() -> None:
     trie.check()
 
 
+def test_a_bounded_match_cut_by_a_failed_load_is_bounded_again() -> None:
+    """[R50], [R65]: a failed load not yet reaped ends the hit at the node it was
+    loading. For a bounded match that cut is bounded again: a cut after block 2 (4
+    tokens) would end inside the span (3, 5), so the hit is 1 block."""
+    trie, copies = host_trie(manual=True)
+    assert copies is not None
+    serve_manual(trie, copies, A)
+    assert trie.evict(1) == 1  # the leaf (block 3) goes to the host tier
+    first = trie.match(A)
+    assert (first.num_cached_tokens, first.num_host_tokens) == (6, 2)
+    copy = trie.load(first)
+    assert copy is not None
+    copies.fail(copy)  # not reaped: block 3's load has failed
+    for spans, expected in (((), 4), ([(3, 5)], 2)):
+        seq = trie.match(A, atomic_spans=spans)
+        assert (seq.num_cached_tokens, seq.num_host_tokens) == (expected, 0), spans
+        trie.abort(seq)
+    trie.poll()
+    trie.abort(first)
+    trie.check()
+
+
 def test_a_commit_before_poll_sees_a_failed_load_and_says_to_abort() -> None:
     """A commit that reads a load which failed but is not yet polled is refused,
     telling the engine to abort (not to wait: the load will never finish); one
