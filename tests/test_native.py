@@ -40,7 +40,7 @@ from hypothesis.stateful import (
 import cache.native as native
 from cache import BlockTrie, CacheConfig, Sequence, eviction
 from cache.lru import LRUIndex
-from cache.node import state_code
+from cache.node import NO_BLOCK, state_code
 from spec.errors import CacheError, ConfigError, InvalidArgument
 from spec.lifecycle import LIFECYCLES, NODE, NodeState, NodeTrigger
 
@@ -703,8 +703,6 @@ def test_a_plain_block_beside_a_wide_only_child_is_a_new_node(
 def test_a_commit_refuses_a_cached_node_without_a_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cached node with no device block and no host tier cannot exist; the native
     commit refuses one (a trie corrupted on purpose) instead of deduplicating onto it."""
-    from cache.node import NO_BLOCK
-
     trie = _tiny(monkeypatch, "native")
     first, second = trie.match([0, 0, 1, 1, 9]), trie.match([0, 0, 1, 1, 9])
     for seq in (first, second):
@@ -804,6 +802,33 @@ def test_the_native_commit_refuses_a_held_block_counted_free(
         trie.commit(second, 4)
 
 
+def test_a_parent_left_evictable_waits_behind_older_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[R10]: evicting the oldest leaf leaves its parent evictable; the parent is freed
+    at once only when it is older than every indexed leaf. Here it was used last (a
+    request of its block and a token), so `evict(2)` frees the old leaf and the
+    other old leaf, not the parent, on either core."""
+    outcomes = []
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend)
+        for prompt in ([0, 0, 1, 1, 5], [7, 7, 5]):  # chain P -> C, then leaf L
+            seq = trie.match(prompt)
+            trie.allocate(seq, len(prompt))
+            trie.commit(seq, len(prompt) - 1)
+            trie.release(seq)
+        toucher = trie.match([0, 0, 9])  # P used last: C is oldest, then L, then P
+        assert toucher.num_cached_tokens == 2
+        trie.allocate(toucher, 3)
+        trie.release(toucher)
+        parent = toucher.path[0]
+        assert trie.evict(2) == 2
+        trie.check()
+        outcomes.append((trie._nodes.block[parent] != NO_BLOCK, trie.snapshot()))
+    assert outcomes[0][0], "the parent, used last, is still cached"
+    assert all(outcome == outcomes[0] for outcome in outcomes)
+
+
 def test_evicting_a_block_counted_free_is_the_pools_double_free(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -875,6 +900,16 @@ def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="column parent: items of 4 bytes"):
         trie.evict(1)
     trie._nodes.parent = parents  # type: ignore[attr-defined]
+    kv: Any = trie._kv  # type: ignore[attr-defined]
+    refs, kv.refs = kv.refs, array("q", kv.refs)
+    with pytest.raises(ValueError, match="column refs must be a list"):
+        trie.evict(1)
+    kv.refs = refs
+    nodes: Any = trie._nodes  # type: ignore[attr-defined]
+    ticks, nodes.tick = nodes.tick, array("q", nodes.tick)
+    with pytest.raises(ValueError, match="column tick must be a list"):
+        trie.evict(1)
+    nodes.tick = ticks
     assert trie.num_cached_blocks == 1
     trie._nodes.state[node] = state_code("cached")  # type: ignore[attr-defined]
     with pytest.raises(IllegalTransition):
