@@ -275,6 +275,11 @@ def test_pool_kernels_are_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
         with pytest.raises(CacheError, match=r"already free \(double free\)"):
             kv.decref_all([taken[0], taken[0]])
         assert (kv.counts(), kv.free_ids()) == before
+        kv.incref_all([taken[0], taken[1]])  # counts of 2: refused only at the third
+        with pytest.raises(CacheError, match=rf"block {taken[1]} is already free"):
+            kv.decref_all([taken[0], taken[1], taken[1], taken[1]])
+        kv.decref_all([taken[0], taken[1]])
+        assert (kv.counts(), kv.free_ids()) == before
         kv.decref_all([taken[2], taken[0]])
         assert kv.free_ids()[-2:] == [taken[2], taken[0]]
 
