@@ -183,6 +183,46 @@ def test_every_name_of_the_extension_is_documented() -> None:
     assert "LRUIndex" in NATIVE.NodeLRU.__doc__
 
 
+KERNEL_PARAMETERS = {
+    "FastAttach.__init__": "table refs free_list owner sequence_type typecode block_size "
+    "cached_code events xxh3",
+    "FastAttach.commit": "seq num_tokens trie live evictor attach block_pins",
+    "FastLookup.__init__": "table refs roots sequence_type array_type typecode block_size",
+    "FastLookup.match": "tokens namespace trie stats live evictor serial",
+    "FastTrie.__init__": "table refs free_list sequence_type settled faults fault_point block_size",
+    "FastTrie.release": "seq trie live index evictor",
+    "FastTrie.allocate": "seq num_tokens live",
+    "NodeLRU.__init__": "ticks serials",
+    "NodeLRU.add": "member",
+    "NodeLRU.remove": "member",
+    "attach_chain": "table parent keys start blocks serial tick code owner refs",
+    "configure": "root_code evictable_code freed_from no_node no_child many no_block",
+    "decref_all": "refs free_list blocks",
+    "evict_inline": "n index evictor table kv removed settled",
+    "hold_path": "held block state refs",
+    "incref_all": "refs blocks",
+    "set_ticks": "ticks path tick",
+    "take": "refs free_list count",
+    "walk": "keys start_node child tokens kids width",
+}
+"""Each kernel's parameters, by name: what a caller passing them by keyword relies on."""
+
+
+@needs_native
+def test_the_kernels_take_their_documented_parameter_names() -> None:
+    """nanobind renders each binding's signature first in its `__doc__`; its parameter
+    names are `KERNEL_PARAMETERS`' (`self` aside), none missing, none renamed."""
+    assert NATIVE is not None
+    for path, expected in KERNEL_PARAMETERS.items():
+        owner, _, name = path.rpartition(".")
+        function = getattr(getattr(NATIVE, owner), name) if owner else getattr(NATIVE, name)
+        signature = function.__doc__.split("\n", 1)[0]
+        assert signature.startswith(f"{name}("), path
+        inside = signature[len(name) + 1 : signature.rindex(")")]
+        params = [part.split(":", 1)[0].strip() for part in re.split(r",\s*(?![^\[]*\])", inside)]
+        assert [p for p in params if p != "self"] == expected.split(), path
+
+
 @needs_native
 def test_the_spec_tables_reach_the_native_core() -> None:
     assert NATIVE is not None and NATIVE.configured()
@@ -232,6 +272,13 @@ def test_node_lru_orders_as_lru_index(seed: int) -> None:
         assert all((n in fast) == (n in members) for n in range(64))
     with pytest.raises(KeyError):
         fast.remove(next(n for n in range(64) if n not in members) if len(members) < 64 else -1)
+    while members:  # drained oldest first: a heap sort of what is left
+        oldest = fast.oldest()
+        assert oldest == slow.oldest()
+        fast.remove(oldest)
+        slow.remove(oldest)
+        members.discard(oldest)
+    assert not fast
 
 
 @needs_native
@@ -342,6 +389,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         kids={}, width=8,
     )  # fmt: skip
     assert walked == [1]
+    with pytest.raises(TypeError, match="unhashable"):  # a key no dict can look up
+        NATIVE.walk([[0]], 0, array("i", [-2]), bytearray(8), {0: {}}, 8)
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         NATIVE.hold_path([0], array("i", [0]), array("i", [0]), refs)
     assert NATIVE.incref_all(refs, [1, 9]) == 1  # a block past the pool is refused
@@ -392,6 +441,9 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     table.tokens, table._take = bytearray(2), lambda n: [1]  # no room for row 1's key
     with pytest.raises(IndexError, match=outside):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
+    table._take = lambda n: [1, 99]  # a chain whose second row is past the columns
+    with pytest.raises(IndexError, match=outside):
+        NATIVE.attach_chain(table, 0, [b"ab", b"cd"], 0, [1, 2], 1, 1, 0, array("i", [0] * 4), refs)
     table.tokens, table._take = bytearray(64), lambda n: [5]  # a key's room, but no row 5
     with pytest.raises(IndexError, match=outside):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
