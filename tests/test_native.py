@@ -441,7 +441,7 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     table.tokens, table._take = bytearray(2), lambda n: [1]  # no room for row 1's key
     with pytest.raises(IndexError, match=outside):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [1], 1, 1, 0, array("i", [0] * 4), refs)
-    table._take = lambda n: [1, 99]  # a chain whose second row is past the columns
+    table.tokens, table._take = bytearray(64), lambda n: [1, 99]  # the second row is past
     with pytest.raises(IndexError, match=outside):
         NATIVE.attach_chain(table, 0, [b"ab", b"cd"], 0, [1, 2], 1, 1, 0, array("i", [0] * 4), refs)
     table.tokens, table._take = bytearray(64), lambda n: [5]  # a key's room, but no row 5
