@@ -886,6 +886,23 @@ def test_a_parent_left_evictable_waits_behind_older_leaves(
     assert all(outcome == outcomes[0] for outcome in outcomes)
 
 
+@needs_native
+def test_the_native_release_refuses_a_path_outside_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence corrupted on purpose: its path names a row past the node table. The
+    native release refuses it before touching a tick or a count."""
+    trie: Any = _tiny(monkeypatch, "native")
+    seq = trie.match([0, 0, 1])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 2)
+    before = (list(trie._nodes.tick), list(trie._kv.refs))
+    seq.path.append(10**6)
+    with pytest.raises(IndexError, match="release: no such node"):
+        trie.release(seq)
+    assert (list(trie._nodes.tick), list(trie._kv.refs)) == before
+
+
 def test_evicting_a_block_counted_free_is_the_pools_double_free(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
