@@ -19,7 +19,7 @@ from cache import (
     Sequence,
 )
 from cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
-from spec.errors import InvariantViolation
+from spec.errors import InvalidArgument, InvariantViolation
 from spec.invariants import violations
 from spec.lifecycle import CheckpointState, Residency
 
@@ -510,4 +510,19 @@ def test_the_host_checkpoint_pool_takes_at_its_own_fault_point() -> None:
     assert trie.faults.points.count("host_slots.take") == 1
     assert trie.faults.points.index("slots.take") < trie.faults.points.index("host_slots.take")
     assert trie.num_host_checkpoints == 1
+    trie.check()
+
+
+def test_a_runtime_state_inside_the_host_tier_is_refused_by_name() -> None:
+    """[R60]: a restore into a tensor that is a view of the host tier's KV storage is
+    refused before any copy, naming that pool (as for the device pools)."""
+    trie, _ = ssm_trie(num_host_blocks=4)
+    checkpointed(trie, [1, 1, 1, 1, 2], 4, 1.0)
+    seq = trie.match([1, 1, 1, 1, 2])
+    host = trie._host_pool.tensor  # type: ignore[attr-defined]
+    assert host is not None and host.dtype == torch.float64
+    inside = {"s": host.reshape(-1)[:2]}
+    with pytest.raises(InvalidArgument, match="overlaps the storage of the cache's host tier"):
+        trie.restore(seq, inside)
+    trie.abort(seq)
     trie.check()
