@@ -512,6 +512,23 @@ def test_a_free_list_that_takes_no_append_raises() -> None:
 
 
 @needs_native
+def test_appending_to_a_free_list_keeps_no_reference() -> None:
+    """A kernel that appends a few freed blocks to a free list (`array.append`, one
+    call each) lets go of what each call returned (None): None's count is what it
+    was (Python 3.11 counts references to None; 3.12 makes it immortal)."""
+    import sys
+    from array import array
+
+    assert NATIVE is not None
+    free = array("i")
+    before = sys.getrefcount(None)
+    for _ in range(100):
+        assert NATIVE.decref_all([1, 1, 1], free, [0, 1, 2]) == -1
+        free = array("i")
+    assert sys.getrefcount(None) - before < 50, "a reference kept per append"
+
+
+@needs_native
 def test_the_spec_tables_take_every_byte_code() -> None:
     """`configure` takes state codes 0 and 255 on both sides of a row (a code is one
     byte), and `tables` gives every row back, a destination of 0 included; the spec's
