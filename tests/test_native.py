@@ -40,7 +40,7 @@ from hypothesis.stateful import (
 import cache.native as native
 from cache import BlockTrie, CacheConfig, Sequence, eviction
 from cache.lru import LRUIndex
-from cache.node import NO_BLOCK, state_code
+from cache.node import NO_BLOCK, NO_NODE, state_code
 from spec.errors import CacheError, ConfigError, InvalidArgument
 from spec.lifecycle import LIFECYCLES, NODE, NodeState, NodeTrigger
 
@@ -918,6 +918,22 @@ def test_the_native_release_refuses_a_path_outside_the_table(
     with pytest.raises(IndexError, match="release: no such node"):
         trie.release(seq)
     assert (list(trie._nodes.tick), list(trie._kv.refs)) == before
+
+
+def test_an_evicted_block_has_no_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eviction gives a node's block back with no owner left in the evictor's block ->
+    node map, on either core: a later reference dropped on that block settles no
+    freed node."""
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend)
+        seq = trie.match([0, 0, 1])
+        trie.allocate(seq, 3)
+        trie.commit(seq, 2)
+        trie.release(seq)
+        block = seq.block_ids[0]
+        assert trie._evictor.owner[block] == seq.path[0]
+        assert trie.evict(1) == 1
+        assert trie._evictor.owner[block] == NO_NODE, backend
 
 
 def test_evicting_a_block_counted_free_is_the_pools_double_free(
