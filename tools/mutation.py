@@ -19,8 +19,10 @@ Not part of ``.ci/run``: a run over the whole core takes hours on 2 cores, and
 file's result in ``tools/mutation_scores.json`` (committed), with the SHA-256
 of the source it was measured on; ``--recorded`` reports and gates from that
 record, where a file whose source has changed since (or that was never
-recorded) counts as unscored. A record stays valid while the file's code is
-unchanged: tests are only ever added, which can kill more, never fewer. What
+recorded) counts as unscored. A file edited while mutmut runs (it copied the
+sources when it started) is left out of that run's record. A record stays valid
+while the file's code is unchanged: tests are only ever added, which can kill
+more, never fewer. What
 counts as its code is what mutmut mutates and runs (`code_digest`): editing a
 docstring or a comment keeps the record; any other edit, or a ``pragma: no
 mutate`` line added or changed, voids it.

@@ -48,7 +48,8 @@ is fixed.
 **The record.** The whole run takes hours, and a build folder does not outlive the
 machine: ``--record`` keeps each file's result in
 ``tools/native_mutation_scores.json`` (committed) with the SHA-256 of its source,
-its accepted equivalents, the seed, the commit and the date. ``--recorded`` reports
+its accepted equivalents, the seed, the commit and the date (the list and the digests as the run
+started: the checkout may be edited while it goes on). ``--recorded`` reports
 and gates from that record (running nothing): a file whose bytes changed since,
 whose list of equivalents changed, or that was never recorded, is unscored, and an
 unscored file fails the gate. ``--list`` prints every mutant's name and change
