@@ -43,6 +43,7 @@ from cache.lru import LRUIndex
 from cache.node import NO_BLOCK, NO_NODE, state_code
 from spec.errors import CacheError, ConfigError, InvalidArgument
 from spec.lifecycle import LIFECYCLES, NODE, NodeState, NodeTrigger
+from tests.helpers import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = native.native_module()
@@ -563,10 +564,7 @@ def test_a_fully_cached_prompt_leaves_its_last_block_to_compute(
     must compute at least the last token (it needs its logits), on either core."""
     for backend in BACKENDS:
         trie = _tiny(monkeypatch, backend)
-        seq = trie.match([0, 0, 1, 1, 5])
-        trie.allocate(seq, 5)
-        trie.commit(seq, 4)
-        trie.release(seq)
+        serve(trie, [0, 0, 1, 1, 5])  # blocks [0, 0] and [1, 1] cached
         whole = trie.match([0, 0, 1, 1])
         assert (whole.num_cached_tokens, whole.branch_step) == (2, 4), backend
         trie.release(whole)
@@ -580,10 +578,7 @@ def test_an_identity_key_never_walks_the_plain_path(monkeypatch: pytest.MonkeyPa
     either core: the walk compares it with `==`, never as a prefix of token bytes."""
     for backend in BACKENDS:
         trie = _tiny(monkeypatch, backend)
-        seq = trie.match([0, 0, 1, 1, 5])
-        trie.allocate(seq, 5)
-        trie.commit(seq, 4)
-        trie.release(seq)
+        serve(trie, [0, 0, 1, 1, 5])  # blocks [0, 0] and [1, 1] cached
         assert not trie._nodes.wide  # type: ignore[attr-defined]
         tagged = trie.match([0, 0, 1, 1, 5], extra=[None, "img"])
         assert tagged.num_cached_tokens == 2, backend
@@ -654,7 +649,7 @@ def test_the_native_core_matches_commits_and_evicts_in_its_own_calls(
 
         monkeypatch.setattr(owner, name, counted)
 
-    def serve() -> None:
+    def serve_three() -> None:
         for prompt in ([0, 0, 1, 1, 2], [3, 3, 4, 4, 2], [0, 0, 1, 1, 2]):
             seq = trie.match(prompt)
             trie.allocate(seq, 5)
@@ -667,12 +662,12 @@ def test_the_native_core_matches_commits_and_evicts_in_its_own_calls(
         assert trie.evict(cached) == cached and trie.num_cached_blocks == 0
         trie.check()
 
-    serve()
+    serve_three()
     evict_all()  # the settled memo learns every fact these steps meet
     spy(lookup, "token_list")
     spy(attach.Attach, "commit")
     spy(eviction.Evictor, "_free")
-    serve()
+    serve_three()
     spy(eviction.Evictor, "_implied")  # (a match's hit settles through the Python core)
     evict_all()
     assert slow == []
