@@ -1303,3 +1303,86 @@ class PairedBackends(RuleBasedStateMachine):
 
 
 TestPairedBackends = needs_native(PairedBackends.TestCase)
+
+
+@needs_native
+@pytest.mark.parametrize("events", [False, True])
+def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
+    monkeypatch: pytest.MonkeyPatch, events: bool
+) -> None:
+    """`FastAttach.commit` reads a key as the table's bytes only after checking it is
+    one: a sequence whose keys are anything else (as a key-hash trie's are; the Python
+    core never sends those) is declined before anything changes, events on or off,
+    instead of being read as bytes (it crashed the process with events on)."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    trie: Any = BlockTrie(
+        CacheConfig(block_size=2, num_blocks=8, backend="native", enable_events=events)
+    )
+    seq = trie.match([0, 0, 1, 1, 2])
+    trie.allocate(seq, 5)
+    fast = trie._attach.fast
+    assert fast is not None
+    before = trie.snapshot()
+    for keys in ([7, 8], [b"\0" * 8, 8], [b"\0" * 4, b"\0" * 8], (b"\0" * 8, b"\1" * 8)):
+        seq.keys = keys if type(keys) is tuple else list(keys)
+        done = fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+        assert done is False, keys
+        assert trie.snapshot() == before and seq.num_committed_tokens == 0
+
+
+@needs_native
+def test_pool_kernels_refuse_every_negative_block_but_the_guard() -> None:
+    """Only -1 (`NO_BLOCK`) reads the pool's guard entry; any other negative id is
+    outside the pool and refused, never counted against a block from the end."""
+    from array import array
+
+    assert NATIVE is not None
+    refs = [1, 1, 1, 0]  # three blocks in use and the guard
+    for bad in (-1, -2, -4, -5, -(2**31)):
+        assert NATIVE.incref_all(refs, [0, bad]) == 1, bad
+        assert NATIVE.decref_all(refs, array("i"), [0, bad]) == 1, bad
+    assert refs == [1, 1, 1, 0]
+
+
+@needs_native
+def test_take_refuses_a_free_block_outside_the_pool() -> None:
+    """A free list naming a block past the counts (a pool corrupted on purpose) is
+    refused before the free list or a count changes."""
+    from array import array
+
+    assert NATIVE is not None
+    refs, free = [0, 0], array("i", [0, 3])
+    with pytest.raises(IndexError, match="take: a free block outside the pool"):
+        NATIVE.take(refs, free, 1)  # block 3's count would be past the 2-entry list
+    with pytest.raises(IndexError, match="take: a free block outside the pool"):
+        NATIVE.take(refs, array("i", [-1]), 1)
+    assert (refs, list(free)) == ([0, 0], [0, 3])
+    assert NATIVE.take(refs, array("i", [0, 1]), 2) == [1, 0]
+
+
+@needs_native
+def test_the_native_release_names_a_malformed_state_column(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`FastTrie` keeps the columns it was made with; one whose state column has the
+    wrong item size (the Python core never makes one) is refused by the release's
+    settle naming that column."""
+    from array import array
+    from types import SimpleNamespace
+
+    assert NATIVE is not None
+    trie: Any = _tiny(monkeypatch, "native")
+    nodes = trie._nodes
+    table = SimpleNamespace(
+        child=nodes.child, block=nodes.block, state=array("h", [0] * len(nodes.state)),
+        tick=nodes.tick, serial=nodes.serial, checkpoint=nodes.checkpoint,
+    )  # fmt: skip
+    trie._fast = NATIVE.FastTrie(
+        table, trie._kv.refs, trie._kv._free, Sequence, eviction._SETTLED, trie.faults,
+        trie._kv._fault_point, 2,
+    )  # fmt: skip
+    seq = trie.match([0, 0, 1])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 2)
+    with pytest.raises(ValueError, match="column state: items of 1 bytes"):
+        trie.release(seq)

@@ -59,6 +59,10 @@ public:
         nb::object blocks_obj = seq.attr(BT_NAME("blocks"));
         nb::object path_obj = seq.attr(BT_NAME("path"));
         nb::object keys_obj = seq.attr(BT_NAME("keys"));
+        if (!PyList_CheckExact(blocks_obj.ptr()) || !PyList_CheckExact(path_obj.ptr()) ||
+            !PyList_CheckExact(keys_obj.ptr())) {
+            return false;
+        }
         const size_t size = block_size_;
         const long long known = static_cast<long long>(PySequence_Size(token_list.ptr()));
         const long long allocated = static_cast<long long>(PyList_GET_SIZE(blocks_obj.ptr())) * static_cast<long long>(size);
@@ -69,6 +73,13 @@ public:
         const size_t start = static_cast<size_t>(PyList_GET_SIZE(path_obj.ptr()));
         // Keys of blocks completed by tokens appended after match (`request_keys`)
         const size_t have = static_cast<size_t>(PyList_GET_SIZE(keys_obj.ptr()));
+        // The keys this commit attaches must be plain bytes of the table's width (a
+        // trie with an injected key hash, or a wide key, is the Python core's); those
+        // made below from the token ids are.
+        for (size_t j = start; j < std::min(have, full); ++j) {
+            PyObject* key = PyList_GET_ITEM(keys_obj.ptr(), static_cast<Py_ssize_t>(j));
+            if (!PyBytes_CheckExact(key) || static_cast<size_t>(PyBytes_GET_SIZE(key)) != width_) return false;
+        }
         if (have < full) {
             Column<uint32_t> ids(token_list, "token_list");
             const char* raw = reinterpret_cast<const char*>(ids.data());

@@ -72,14 +72,16 @@ public:
         return v;
     }
     // Store `value` (a borrowed int object, shared by every row set to it).
+    // An index outside the list raises (Python's IndexError), changing nothing.
     void set_object(size_t i, PyObject* value) {
         Py_INCREF(value);
-        PyList_SetItem(list_, static_cast<Py_ssize_t>(i), value);  // steals; drops the old
+        // steals `value` (also when it fails) and drops the old item
+        if (PyList_SetItem(list_, static_cast<Py_ssize_t>(i), value) != 0) throw nb::python_error();
     }
     void set(size_t i, int64_t v) {
         PyObject* obj = PyLong_FromLongLong(v);
         if (obj == nullptr) throw nb::python_error();
-        PyList_SetItem(list_, static_cast<Py_ssize_t>(i), obj);
+        if (PyList_SetItem(list_, static_cast<Py_ssize_t>(i), obj) != 0) throw nb::python_error();
     }
 
 private:

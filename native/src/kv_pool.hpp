@@ -11,10 +11,11 @@ namespace blocktrie {
 
 // A block id as an index into `refs`: -1 (NO_BLOCK) reads the guard entry past the
 // last block, which stays 0, so it is refused as a free block; any other id outside
-// the pool is refused too (-1 returned).
+// the pool, below -1 included, is refused too (-1 returned): no negative id counts
+// against a block from the pool's end.
 inline int64_t slot(int32_t block, size_t n) {
-    int64_t b = block < 0 ? static_cast<int64_t>(n) + block : block;
-    return (b < 0 || static_cast<size_t>(b) >= n) ? -1 : b;
+    if (block == -1) return n > 0 ? static_cast<int64_t>(n) - 1 : -1;
+    return (block < 0 || static_cast<size_t>(block) >= n) ? -1 : block;
 }
 
 // `KVBlockPool.incref_all`: one more reference on each block; every block must be
@@ -64,20 +65,24 @@ inline int64_t decref_all(nb::handle refs_obj, nb::handle free_obj, nb::handle b
 }
 
 // `KVBlockPool.take`'s loop: the last `count` free blocks (the stack's top first),
-// each with reference count 1. The caller checked that there are enough.
+// each with reference count 1. The caller checked that there are enough; a free
+// block outside the pool is refused before anything changes.
 inline nb::list take(nb::handle refs_obj, nb::handle free_obj, size_t count) {
     std::vector<int32_t> taken;
+    IntList refs(refs_obj, "refs");
     {
         Column<int32_t> free_list(free_obj, "free_list");
         if (count > free_list.size()) throw std::invalid_argument("take: not enough free blocks");
         taken.reserve(count);
         for (size_t i = 0; i < count; ++i) taken.push_back(free_list[free_list.size() - 1 - i]);
     }
+    for (int32_t b : taken) {
+        if (b < 0 || static_cast<size_t>(b) >= refs.size()) throw std::out_of_range("take: a free block outside the pool");
+    }
     Py_ssize_t len = PySequence_Size(free_obj.ptr());
     if (PySequence_DelSlice(free_obj.ptr(), len - static_cast<Py_ssize_t>(count), len) != 0) {
         throw nb::python_error();
     }
-    IntList refs(refs_obj, "refs");
     PyObject* one = PyLong_FromLong(1);
     for (int32_t b : taken) refs.set_object(static_cast<size_t>(b), one);
     Py_DECREF(one);
