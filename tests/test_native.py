@@ -1386,3 +1386,41 @@ def test_the_native_release_names_a_malformed_state_column(
     trie.commit(seq, 2)
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         trie.release(seq)
+
+
+def test_a_stored_run_is_recorded_alike_by_both_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With events on, the native commit records each chain's stored run itself (the
+    Python `EventLog.stored`'s record: the same tuple, the same replay bitmap) and
+    leaves a namespace with a bound LoRA id, whose event is built at once, to the
+    Python core. Both cores drain the same records, block for block, and a block past
+    the bitmap's bytes grows it as the Python core does."""
+    from cache.event_log import EventLog
+
+    outcomes = []
+    python_stored = EventLog.stored
+    for backend in BACKENDS:
+        monkeypatch.delenv(native.ENV, raising=False)
+        trie: Any = BlockTrie(
+            CacheConfig(block_size=2, num_blocks=64, backend=backend, enable_events=True)
+        )
+        calls: list[str] = []
+
+        def spy(log: Any, *args: Any, calls: list[str] = calls) -> None:
+            calls.append(args[-1])  # the namespace
+            python_stored(log, *args)
+
+        monkeypatch.setattr(EventLog, "stored", spy)
+        trie.bind_lora("adapter", 7)
+        serve(trie, [1, 2, 3, 4, 5])
+        serve(trie, [1, 2, 3, 4, 9, 9, 9])  # under a cached parent
+        serve(trie, [5, 6, 7, 8], namespace="adapter")
+        for n in range(20):  # blocks past the bitmap's first bytes
+            serve(trie, [100 + n, 1, 2, 3])
+        records = trie.drain_event_records()
+        bits = bytes(trie._events._gpu_view._bits)
+        monkeypatch.setattr(EventLog, "stored", python_stored)
+        trie.check()
+        native_took = backend == "native"
+        assert (calls == ["adapter"]) if native_took else (len(calls) == 23), calls
+        outcomes.append((records.items, records.events(), bits))
+    assert all(outcome == outcomes[0] for outcome in outcomes)

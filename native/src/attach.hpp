@@ -7,8 +7,8 @@
 // With events on, each new block's hash is `XXH3_64bits_withSeed(key, parent hash)`
 // ([R61]: `cache.block_hash`'s plain `xxh3` chain), computed by the very function
 // the `xxhash` package's `xxh3_64_intdigest` calls (its address, found by
-// `cache.native` with ctypes), and the stored run is recorded by the Python
-// `EventLog.stored`, once per commit.
+// `cache.native` with ctypes), and the stored run recorded as `EventLog.stored`
+// records it (`record_stored`; a namespace with a bound LoRA id is left to it).
 #pragma once
 
 #include "columns.hpp"
@@ -247,7 +247,59 @@ private:
         nb::object space = seq.attr(BT_NAME("namespace"));
         if (nb::cast<bool>(block_pins.attr(BT_NAME("indexing")))) block_pins.attr(BT_NAME("added"))(space, hash_list, rows);
         nb::object parent_hash_obj = under_root ? nb::none() : nb::object(nb::int_(parent_hash));
-        events_.attr(BT_NAME("stored"))(parent_hash_obj, hash_list, keys, blocks_obj, start, stop, block_size_, space);
+        record_stored(parent_hash_obj, hash_list, keys, blocks_obj, start, stop, space);
+    }
+
+    // [R61] `EventLog.stored` for a chain of plain keys (every key here is: the chain
+    // was attached), recording what it records: the stored run `(parent hash, hashes,
+    // the keys' bytes joined, the blocks, the block size, the namespace)` appended to
+    // the log, and its blocks added to the log's replay bitmap (`BlockBitmap.update`).
+    // A namespace with a bound LoRA id (an event built now) is the Python `stored`'s,
+    // a block past the bitmap's bytes the Python `update`'s.
+    void record_stored(nb::handle parent_hash, nb::handle hash_list, nb::handle keys, nb::handle blocks_obj,
+                       size_t start, size_t stop, nb::handle space) {
+        if (!PyObject_IsTrue(events_.attr(BT_NAME("enabled")).ptr())) return;  // muted
+        nb::object lora_ids = events_.attr(BT_NAME("lora_ids"));
+        int bound = 1;  // not a dict: the Python `stored` decides
+        if (PyDict_CheckExact(lora_ids.ptr())) {
+            bound = PyDict_GET_SIZE(lora_ids.ptr()) == 0 ? 0 : PyDict_Contains(lora_ids.ptr(), space.ptr());
+            if (bound < 0) throw nb::python_error();
+        }
+        if (bound) {
+            events_.attr(BT_NAME("stored"))(parent_hash, hash_list, keys, blocks_obj, start, stop, block_size_, space);
+            return;
+        }
+        const size_t count = stop - start;
+        nb::object tokens = nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(count * width_)));
+        if (!tokens.is_valid()) throw nb::python_error();
+        char* out = PyBytes_AS_STRING(tokens.ptr());
+        for (size_t j = 0; j < count; ++j) {
+            PyObject* key = PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(start + j));
+            std::memcpy(out + j * width_, PyBytes_AS_STRING(key), width_);
+        }
+        nb::object stored = nb::steal(PyList_GetSlice(blocks_obj.ptr(), static_cast<Py_ssize_t>(start),
+                                                      static_cast<Py_ssize_t>(stop)));
+        if (!stored.is_valid()) throw nb::python_error();
+        nb::object run = nb::make_tuple(parent_hash, hash_list, tokens, stored, nb::int_(block_size_), space);
+        nb::object log = events_.attr(BT_NAME("_events"));
+        if (!PyList_CheckExact(log.ptr())) throw std::logic_error("commit: the event log's records are not a list");
+        nb::object view = events_.attr(BT_NAME("_gpu_view"));
+        nb::object bits = view.attr(BT_NAME("_bits"));
+        bool inside = PyByteArray_CheckExact(bits.ptr());
+        const size_t size = inside ? static_cast<size_t>(PyByteArray_GET_SIZE(bits.ptr())) : 0;
+        for (size_t j = 0; inside && j < count; ++j) {
+            const long b = PyLong_AsLong(PyList_GET_ITEM(stored.ptr(), static_cast<Py_ssize_t>(j)));
+            inside = b >= 0 && static_cast<size_t>(b) < size;
+        }
+        if (PyList_Append(log.ptr(), run.ptr()) != 0) throw nb::python_error();
+        if (!inside) {
+            view.attr(BT_NAME("update"))(stored);
+            return;
+        }
+        char* set = PyByteArray_AS_STRING(bits.ptr());
+        for (size_t j = 0; j < count; ++j) {
+            set[PyLong_AsLong(PyList_GET_ITEM(stored.ptr(), static_cast<Py_ssize_t>(j)))] = 1;
+        }
     }
 
     nb::object events_;  // the trie's `EventLog` with events on, else None
