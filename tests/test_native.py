@@ -1328,6 +1328,14 @@ def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
         done = fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
         assert done is False, keys
         assert trie.snapshot() == before and seq.num_committed_tokens == 0
+    seq.keys = []
+    for name in ("path", "blocks"):  # a record's lists as tuples: declined too
+        right = getattr(seq, name)
+        setattr(seq, name, tuple(right))
+        done = fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+        assert done is False, name
+        setattr(seq, name, right)
+        assert trie.snapshot() == before and seq.num_committed_tokens == 0
 
 
 @needs_native
@@ -1424,3 +1432,138 @@ def test_a_stored_run_is_recorded_alike_by_both_cores(monkeypatch: pytest.Monkey
         assert (calls == ["adapter"]) if native_took else (len(calls) == 23), calls
         outcomes.append((records.items, records.events(), bits))
     assert all(outcome == outcomes[0] for outcome in outcomes)
+
+
+def test_decode_blocks_committed_one_at_a_time_are_found_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks completed by decode tokens appended after the match get their keys from
+    the token ids, in order, one commit at a time; a later request for the whole
+    sequence hits every one of them, on either core."""
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend, num_blocks=16)
+        seq = trie.match([1, 2, 3])
+        trie.allocate(seq, 3)
+        trie.commit(seq, 2)
+        for more in ([4], [5, 6], [7, 8], [9, 10]):
+            trie.append(seq, more)
+            trie.allocate(seq, len(seq.tokens))
+            trie.commit(seq, len(seq.tokens))
+        tokens = list(seq.tokens)
+        trie.release(seq)
+        trie.check()
+        assert tokens == list(range(1, 11)), backend
+        again = trie.match([*tokens, 11])
+        assert again.num_cached_tokens == 10, backend
+        trie.abort(again)
+
+
+def test_a_commit_beside_a_wide_node_still_deduplicates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node with a wide key (an extra identity) anywhere in the trie does not stop a
+    plain commit from finding the plain child it duplicates: the second of two
+    requests matched before either committed switches to the first one's blocks."""
+    outcomes = []
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend, num_blocks=16)
+        serve(trie, [7, 7, 7], extra=("image",))  # a wide node
+        assert trie._nodes.wide
+        serve(trie, [5, 6, 9])  # a plain node with no child yet
+        first, second = trie.match([5, 6, 8, 8, 9]), trie.match([5, 6, 8, 8, 9])
+        for seq in (first, second):
+            trie.allocate(seq, 5)
+        trie.commit(first, 4)  # (8, 8): the only child of (5, 6)
+        cached = trie.num_cached_blocks
+        trie.commit(second, 4)
+        assert trie.num_cached_blocks == cached, backend
+        assert second.block_ids[:2] == first.block_ids[:2], backend
+        for seq in (first, second):
+            trie.release(seq)
+        trie.check()
+        outcomes.append(trie.snapshot())
+    assert all(outcome == outcomes[0] for outcome in outcomes)
+
+
+def test_a_wide_token_sequence_commits_decode_blocks_on_the_python_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request with a token id past 32 bits keeps uint64 ids, which the native commit
+    declines (its keys are read as uint32): its decode blocks are committed by the
+    Python core on either backend."""
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend, num_blocks=16)
+        seq = trie.match([2**40, 1, 2])
+        assert seq.token_list.typecode != "I"
+        trie.allocate(seq, 3)
+        trie.commit(seq, 2)
+        trie.append(seq, [3])
+        trie.allocate(seq, 4)
+        trie.commit(seq, 4)
+        trie.release(seq)
+        trie.check()
+        again = trie.match([2**40, 1, 2, 3, 4])
+        assert again.num_cached_tokens == 4, backend
+        trie.abort(again)
+
+
+@needs_native
+def test_the_native_commit_names_a_malformed_tokens_column(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`FastAttach` keeps the columns it was made with; a tokens column of the wrong
+    item size (the Python core never makes one) is refused by name when a commit
+    compares a key with a cached child's."""
+    from array import array
+    from types import SimpleNamespace
+
+    from cache.attach import _CACHED_CODE
+    from cache.validation import U32
+
+    assert NATIVE is not None
+    trie: Any = _tiny(monkeypatch, "native")
+    nodes = trie._nodes
+    serve(trie, [0, 0, 1, 1, 9])  # block (0, 0) has one child: (1, 1)
+    table = SimpleNamespace(
+        child=nodes.child, tokens=array("i", bytes(len(nodes.tokens))), block=nodes.block,
+        state=nodes.state, tick=nodes.tick, kids=nodes.kids, wide=nodes.wide,
+        width=nodes.width,
+    )  # fmt: skip
+    fast = NATIVE.FastAttach(
+        table, trie._kv.refs, trie._kv._free, trie._evictor.owner, Sequence, U32, 2,
+        _CACHED_CODE, None, 0,
+    )  # fmt: skip
+    seq = trie.match([0, 0, 2, 2, 9])  # hits (0, 0); (2, 2) is compared with (1, 1)
+    trie.allocate(seq, 5)
+    with pytest.raises(ValueError, match="column tokens: items of 1 bytes"):
+        fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+
+
+@needs_native
+def test_an_events_on_commit_names_a_malformed_state_column(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With events on, the native commit reads the state column it was made with to
+    tell a chain under a root (whose stored run has no parent hash); one of the wrong
+    item size (the Python core never makes one) is refused by name."""
+    from array import array
+
+    from cache.attach import _CACHED_CODE
+    from cache.native import xxh3_address
+    from cache.validation import U32
+
+    assert NATIVE is not None
+    monkeypatch.delenv(native.ENV, raising=False)
+    trie: Any = BlockTrie(
+        CacheConfig(block_size=2, num_blocks=8, backend="native", enable_events=True)
+    )
+    nodes = trie._nodes
+    right = nodes.state
+    nodes.state = array("h", bytes(2 * len(right)))  # seen by the kernel made now only
+    fast = NATIVE.FastAttach(
+        nodes, trie._kv.refs, trie._kv._free, trie._evictor.owner, Sequence, U32, 2,
+        _CACHED_CODE, trie._events, xxh3_address(),
+    )  # fmt: skip
+    nodes.state = right
+    seq = trie.match([3, 3, 9])
+    trie.allocate(seq, 3)
+    with pytest.raises(ValueError, match="column state: items of 1 bytes"):
+        fast.commit(seq, 2, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
