@@ -1012,6 +1012,12 @@ def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="column tick must be a list"):
         trie.evict(1)
     nodes.tick = ticks
+    for name, width in (("child", 4), ("block", 4), ("state", 1), ("serial", 8)):
+        right = getattr(nodes, name)
+        setattr(nodes, name, array("h", bytes(2 * len(right))))  # 2-byte items: wrong
+        with pytest.raises(ValueError, match=f"column {name}: items of {width} bytes"):
+            trie.evict(1)
+        setattr(nodes, name, right)
     assert trie.num_cached_blocks == 1
     trie._nodes.state[node] = state_code("cached")  # type: ignore[attr-defined]
     with pytest.raises(IllegalTransition):
