@@ -1573,3 +1573,20 @@ def test_an_events_on_commit_names_a_malformed_state_column(
     trie.allocate(seq, 3)
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         fast.commit(seq, 2, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+
+
+def test_both_cores_build_one_key_per_full_block_at_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A match builds the key of each full block of the prompt and nothing past it
+    (a partial last block has none yet), the same keys on either core."""
+    for tokens in ([1], [1, 2], [1, 2, 3], [1, 2, 3, 4, 5], list(range(9))):
+        keys = []
+        for backend in BACKENDS:
+            trie: Any = _tiny(monkeypatch, backend)
+            serve(trie, [1, 2, 3, 4, 5, 6])
+            seq = trie.match(tokens)
+            keys.append(list(seq.keys))
+            assert len(seq.keys) == len(tokens) // 2, (backend, tokens)
+            trie.abort(seq)
+        assert all(k == keys[0] for k in keys), tokens
