@@ -182,6 +182,7 @@ def test_every_name_of_the_extension_is_documented() -> None:
             undocumented.append(name)
     assert undocumented == []
     assert "LRUIndex" in NATIVE.NodeLRU.__doc__
+    assert (NATIVE.__doc__ or "").startswith("blocktrie's native core")  # the module's own
 
 
 KERNEL_PARAMETERS = {
@@ -408,6 +409,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     table: Any = type("Table", (), {"width": 2})()  # refused before anything of it is read
     with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), refs)
+    with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
+        NATIVE.attach_chain(table, 0, [b"ab"], 0, [4], 1, 1, 0, array("i", [0] * 4), refs)
     negative = [0, 1, 1, -1]  # a count below zero is no reference either
     with pytest.raises(ValueError, match="attach_chain: a committed block is free"):
         NATIVE.attach_chain(table, 0, [b"ab"], 0, [3], 1, 1, 0, array("i", [0] * 4), negative)
