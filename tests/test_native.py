@@ -404,6 +404,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
         NATIVE.set_ticks([0, 0], [2], 5)
     with pytest.raises(ValueError, match="hold_path: a held node's block is free"):
         NATIVE.hold_path([0], array("i", [3]), bytearray(1), refs)
+    with pytest.raises(ValueError, match="hold_path: a held node's block is free"):
+        NATIVE.hold_path([0], array("i", [4]), bytearray(1), refs)  # one past the counts
     with pytest.raises(TypeError):  # a count that is no int: Python's own error
         NATIVE.hold_path([0], array("i", [1]), bytearray(1), [0, "x"])
     table: Any = type("Table", (), {"width": 2})()  # refused before anything of it is read
