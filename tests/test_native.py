@@ -1595,3 +1595,25 @@ def test_both_cores_build_one_key_per_full_block_at_match(
             assert len(seq.keys) == len(tokens) // 2, (backend, tokens)
             trie.abort(seq)
         assert all(k == keys[0] for k in keys), tokens
+
+
+@needs_native
+def test_the_eviction_kernel_frees_nothing_for_a_count_of_zero_or_less(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`evict_inline(n, ...)` frees leaves until `n` blocks are freed: for `n <= 0`
+    that is none at once (the public `evict` refuses a negative count before it)."""
+    assert NATIVE is not None
+    trie: Any = _tiny(monkeypatch, "native")
+    serve(trie, [0, 0, 1, 1, 2])
+    before = trie.snapshot()
+    evictor = trie._evictor
+    for n in (0, -1, -(2**40)):
+        freed = NATIVE.evict_inline(
+            n, evictor.index, evictor, trie._nodes, trie._kv, None, eviction._SETTLED
+        )
+        assert freed == 0, n
+        assert trie.snapshot() == before
+    assert NATIVE.evict_inline(
+        1, evictor.index, evictor, trie._nodes, trie._kv, None, eviction._SETTLED
+    ) == 1  # fmt: skip
