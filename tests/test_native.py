@@ -1334,7 +1334,11 @@ def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
     fast = trie._attach.fast
     assert fast is not None
     before = trie.snapshot()
-    for keys in ([7, 8], [b"\0" * 8, 8], [b"\0" * 4, b"\0" * 8], (b"\0" * 8, b"\1" * 8)):
+    keys_tried = (
+        [7, 8], [b"\0" * 8, 8], [b"\0" * 4, b"\0" * 8], [b"\0" * 8, b"\0" * 12],
+        (b"\0" * 8, b"\1" * 8),
+    )  # fmt: skip
+    for keys in keys_tried:
         seq.keys = keys if type(keys) is tuple else list(keys)
         done = fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
         assert done is False, keys
