@@ -304,6 +304,10 @@ def test_node_lru_refuses_what_lru_index_leaves_undefined() -> None:
         with pytest.raises(IndexError, match="no such node row"):
             short.add(2)
         assert len(short) == 0
+    wrong = NATIVE.NodeLRU([0, 0], array("i", [0, 1]))  # 4-byte serials: refused by name
+    with pytest.raises(ValueError, match="column serial: items of 8 bytes"):
+        wrong.add(1)
+    assert len(wrong) == 0
 
 
 @needs_native
