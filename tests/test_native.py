@@ -182,6 +182,15 @@ def test_every_name_of_the_extension_is_documented() -> None:
             undocumented.append(name)
     assert undocumented == []
     assert "LRUIndex" in NATIVE.NodeLRU.__doc__
+    for name in sorted(n for n in dir(NATIVE) if not n.startswith("_") and n != "ABI"):
+        doc = getattr(NATIVE, name).__doc__ or ""
+        if doc.startswith(f"{name}("):
+            doc = doc.partition("\n\n")[2]
+        doc = doc.strip()
+        # whole sentences, naming the Python twin or the rule the name stands for
+        assert doc.endswith((".", ".)")), (name, doc)
+        assert doc.count("(") == doc.count(")"), (name, doc)
+        assert re.search(r"[A-Za-z_]+\.[A-Za-z_]+|\[R\d+\]", doc), (name, doc)
     assert (NATIVE.__doc__ or "").startswith("blocktrie's native core")  # the module's own
 
 
@@ -397,6 +406,8 @@ def test_kernels_refuse_malformed_columns_by_name() -> None:
     assert walked == [1]
     with pytest.raises(TypeError, match="unhashable"):  # a key no dict can look up
         NATIVE.walk([[0]], 0, array("i", [-2]), bytearray(8), {0: {}}, 8)
+    with pytest.raises(TypeError):  # a child id that is no int: Python's own error
+        NATIVE.walk([b"\0" * 8], 0, array("i", [-2]), bytearray(8), {0: {b"\0" * 8: "1"}}, 8)
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
         NATIVE.hold_path([0], array("i", [0]), array("i", [0]), refs)
     assert NATIVE.incref_all(refs, [1, 9]) == 1  # a block past the pool is refused
@@ -1625,3 +1636,28 @@ def test_the_eviction_kernel_frees_nothing_for_a_count_of_zero_or_less(
     assert NATIVE.evict_inline(
         1, evictor.index, evictor, trie._nodes, trie._kv, None, eviction._SETTLED
     ) == 1  # fmt: skip
+
+
+def test_release_and_allocate_leave_other_objects_to_the_python_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An object that is no `Sequence` of this cache (of a class made after the
+    cache's own, so its type sits anywhere in memory) is refused by the Python core
+    with `InvalidType` on either backend: the native release and allocate decline
+    it by its exact type before reading anything of it."""
+    from spec.errors import InvalidType
+
+    class Impostor:  # no `serial`, nothing a sequence has
+        pass
+
+    for backend in BACKENDS:
+        trie = _tiny(monkeypatch, backend)
+        serve(trie, [1, 2, 3])
+        before = trie.snapshot()
+        for _ in range(3):
+            impostor: Any = type("Impostor", (Impostor,), {})()  # fresh heap types
+            with pytest.raises(InvalidType):
+                trie.release(impostor)
+            with pytest.raises(InvalidType):
+                trie.allocate(impostor, 2)
+        assert trie.snapshot() == before, backend

@@ -23,9 +23,11 @@ NB_MODULE(_native, m) {
     m.def("configure", &configure, nb::arg("root_code"), nb::arg("evictable_code"), nb::arg("freed_from"),
           nb::arg("no_node"), nb::arg("no_child"), nb::arg("many"), nb::arg("no_block"),
           "Hand over the spec's tables (state codes, the NODE table's `free` row) and the "
-          "node table's sentinels; every kernel refuses to run before this.");
+          "node table's sentinels, as cache.native._configure does at import; every "
+          "kernel refuses to run before this.");
     m.def("configured", []() { return tables().configured; },
-          "Whether `configure` has run (every kernel refuses to run before it).");
+          "Whether `configure` has run (cache.native._configure, at import; every kernel "
+          "refuses to run before it).");
     m.def("tables", []() {
         const SpecTables& t = spec();
         nb::dict freed;
@@ -33,7 +35,8 @@ NB_MODULE(_native, m) {
             if (t.freed_from[code] >= 0) freed[nb::int_(code)] = t.freed_from[code];
         }
         return nb::make_tuple(t.root, t.evictable, freed);
-    }, "(root code, evictable code, the `free` row) as configured");
+    }, "What `configure` was given, as cache.native._configure derives it from "
+       "spec.lifecycle.NODE: (root code, evictable code, the `free` row).");
 
     nb::class_<NodeLRU>(m, "NodeLRU",
                         "The eviction index of one trie's nodes by (tick, serial): "
