@@ -1638,13 +1638,13 @@ def test_the_eviction_kernel_frees_nothing_for_a_count_of_zero_or_less(
     ) == 1  # fmt: skip
 
 
-def test_release_and_allocate_leave_other_objects_to_the_python_core(
+def test_release_allocate_and_commit_leave_other_objects_to_the_python_core(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An object that is no `Sequence` of this cache (of a class made after the
     cache's own, so its type sits anywhere in memory) is refused by the Python core
-    with `InvalidType` on either backend: the native release and allocate decline
-    it by its exact type before reading anything of it."""
+    with `InvalidType` on either backend: the native release, allocate and commit
+    decline it by its exact type before reading anything of it."""
     from spec.errors import InvalidType
 
     class Impostor:  # no `serial`, nothing a sequence has
@@ -1660,4 +1660,6 @@ def test_release_and_allocate_leave_other_objects_to_the_python_core(
                 trie.release(impostor)
             with pytest.raises(InvalidType):
                 trie.allocate(impostor, 2)
+            with pytest.raises(InvalidType):
+                trie.commit(impostor, 2)
         assert trie.snapshot() == before, backend
