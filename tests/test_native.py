@@ -1394,6 +1394,10 @@ def test_take_refuses_a_free_block_outside_the_pool() -> None:
         NATIVE.take(refs, free, 1)  # block 3's count would be past the 2-entry list
     with pytest.raises(IndexError, match="take: a free block outside the pool"):
         NATIVE.take(refs, array("i", [-1]), 1)
+    one_past = array("i", [0, 2])  # block 2: one past the 2-entry list
+    with pytest.raises(IndexError, match="take: a free block outside the pool"):
+        NATIVE.take(refs, one_past, 1)
+    assert list(one_past) == [0, 2]
     assert (refs, list(free)) == ([0, 0], [0, 3])
     assert NATIVE.take(refs, array("i", [0, 1]), 2) == [1, 0]
 
