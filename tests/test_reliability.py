@@ -34,7 +34,7 @@ from cache import (
     InvalidType,
 )
 from cache.checkpoints import CheckpointStore
-from cache.event_log import EventLog
+from cache.node import NodeTable
 from spec.model import ReferenceCache
 from tests.helpers import empty_state, frozen, kv_trie, serve, ssm_trie, state
 from tests.test_contract_copies import _FailsOnRun
@@ -271,16 +271,18 @@ def test_check_and_snapshot_from_a_monitor_thread_mid_operation_are_refused(
     and reported a false `InvariantViolation` (or a `KeyError`); now both calls
     answer `ConcurrentUse` while an operation runs, and a consistent answer after."""
     trie = kv_trie()
-    stored = EventLog.stored  # after the new nodes are attached, on either core
+    take = NodeTable._take  # mid-commit, rows for the new nodes taken: on either core
     seen: list[BaseException | None] = []
 
-    def watch_meanwhile(log: EventLog, *args: Any) -> None:
-        seen.append(_in_thread(trie.check))
-        seen.append(_in_thread(trie.snapshot))
-        stored(log, *args)
+    def watch_meanwhile(table: NodeTable, count: int) -> list[int]:
+        if not seen:  # the first time (a namespace's root takes a row too)
+            seen.append(_in_thread(trie.check))
+            seen.append(_in_thread(trie.snapshot))
+        return take(table, count)
 
-    monkeypatch.setattr(EventLog, "stored", watch_meanwhile)
+    monkeypatch.setattr(NodeTable, "_take", watch_meanwhile)
     serve(trie, PROMPT)
+    monkeypatch.undo()
     assert [type(e) for e in seen] == [ConcurrentUse, ConcurrentUse]
     assert "check()" in str(seen[0]) and "snapshot()" in str(seen[1])
     assert _in_thread(trie.check) is None
