@@ -56,11 +56,32 @@ BACKENDS = ("python", "native") if NATIVE is not None else ("python",)
 """The cores a test that names its backends runs (with `BLOCKTRIE_BACKEND` unset)."""
 
 
-def _tiny(monkeypatch: pytest.MonkeyPatch, backend: str, num_blocks: int = 8) -> BlockTrie:
-    """A trie of 2-token blocks on the core `backend` names: `BLOCKTRIE_BACKEND` is
-    unset first (the mutation tool sets it, which would make every trie native)."""
+def _tiny(
+    monkeypatch: pytest.MonkeyPatch, backend: str, num_blocks: int = 8, **config: Any
+) -> BlockTrie:
+    """A trie of 2-token blocks on the core `backend` names (`config`: any other
+    `CacheConfig` field): `BLOCKTRIE_BACKEND` is unset first (the mutation tool sets
+    it, which would make every trie native)."""
     monkeypatch.delenv(native.ENV, raising=False)
-    return BlockTrie(CacheConfig(block_size=2, num_blocks=num_blocks, backend=backend))
+    return BlockTrie(CacheConfig(block_size=2, num_blocks=num_blocks, backend=backend, **config))
+
+
+def _one_cached_block(trie: Any) -> Any:
+    """The released sequence of a request that cached one block ([0, 0]) and left one
+    token uncommitted: its `path[0]` is that block's node."""
+    seq = trie.match([0, 0, 1])
+    trie.allocate(seq, 3)
+    trie.commit(seq, 2)
+    trie.release(seq)
+    return seq
+
+
+def _fast_commit(fast: Any, trie: Any, seq: Any, num_tokens: int) -> bool:
+    """`fast.commit` (a `FastAttach`) called as `BlockTrie.commit` calls it."""
+    done: bool = fast.commit(
+        seq, num_tokens, trie, trie._live, trie._evictor, trie._attach, trie._block_pins
+    )
+    return done
 
 
 # ------------------------------------------------------------------ backend choice
@@ -941,10 +962,7 @@ def test_an_evicted_block_has_no_owner(monkeypatch: pytest.MonkeyPatch) -> None:
     freed node."""
     for backend in BACKENDS:
         trie: Any = _tiny(monkeypatch, backend)
-        seq = trie.match([0, 0, 1])
-        trie.allocate(seq, 3)
-        trie.commit(seq, 2)
-        trie.release(seq)
+        seq = _one_cached_block(trie)
         block = seq.block_ids[0]
         assert trie._evictor.owner[block] == seq.path[0]
         assert trie.evict(1) == 1
@@ -959,10 +977,7 @@ def test_evicting_a_block_counted_free_is_the_pools_double_free(
     taken below zero."""
     for backend in BACKENDS:
         trie: Any = _tiny(monkeypatch, backend)
-        seq = trie.match([0, 0, 1])
-        trie.allocate(seq, 3)
-        trie.commit(seq, 2)
-        trie.release(seq)
+        seq = _one_cached_block(trie)
         block = trie._nodes.block[seq.path[0]]
         trie._kv.refs[block] = 0
         with pytest.raises(CacheError, match=f"block {block} is already free"):
@@ -1006,11 +1021,7 @@ def test_the_native_eviction_refuses_what_it_cannot_free(monkeypatch: pytest.Mon
     from spec.errors import IllegalTransition
 
     trie = _tiny(monkeypatch, "native")
-    seq = trie.match([0, 0, 1])
-    trie.allocate(seq, 3)
-    trie.commit(seq, 2)
-    node = seq.path[-1]
-    trie.release(seq)
+    node = _one_cached_block(trie).path[-1]
     evictor = trie._evictor  # type: ignore[attr-defined]
     owner = evictor.owner
     evictor.owner = array("q", owner)
@@ -1340,10 +1351,7 @@ def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
     one: a sequence whose keys are anything else (as a key-hash trie's are; the Python
     core never sends those) is declined before anything changes, events on or off,
     instead of being read as bytes (it crashed the process with events on)."""
-    monkeypatch.delenv(native.ENV, raising=False)
-    trie: Any = BlockTrie(
-        CacheConfig(block_size=2, num_blocks=8, backend="native", enable_events=events)
-    )
+    trie: Any = _tiny(monkeypatch, "native", enable_events=events)
     seq = trie.match([0, 0, 1, 1, 2])
     trie.allocate(seq, 5)
     fast = trie._attach.fast
@@ -1355,14 +1363,14 @@ def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
     )  # fmt: skip
     for keys in keys_tried:
         seq.keys = keys if type(keys) is tuple else list(keys)
-        done = fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+        done = _fast_commit(fast, trie, seq, 4)
         assert done is False, keys
         assert trie.snapshot() == before and seq.num_committed_tokens == 0
     seq.keys = []
     for name in ("path", "blocks"):  # a record's lists as tuples: declined too
         right = getattr(seq, name)
         setattr(seq, name, tuple(right))
-        done = fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+        done = _fast_commit(fast, trie, seq, 4)
         assert done is False, name
         setattr(seq, name, right)
         assert trie.snapshot() == before and seq.num_committed_tokens == 0
@@ -1441,10 +1449,7 @@ def test_a_stored_run_is_recorded_alike_by_both_cores(monkeypatch: pytest.Monkey
     outcomes = []
     python_stored = EventLog.stored
     for backend in BACKENDS:
-        monkeypatch.delenv(native.ENV, raising=False)
-        trie: Any = BlockTrie(
-            CacheConfig(block_size=2, num_blocks=64, backend=backend, enable_events=True)
-        )
+        trie: Any = _tiny(monkeypatch, backend, num_blocks=64, enable_events=True)
         calls: list[str] = []
 
         def spy(log: Any, *args: Any, calls: list[str] = calls) -> None:
@@ -1568,7 +1573,7 @@ def test_the_native_commit_names_a_malformed_tokens_column(
     seq = trie.match([0, 0, 2, 2, 9])  # hits (0, 0); (2, 2) is compared with (1, 1)
     trie.allocate(seq, 5)
     with pytest.raises(ValueError, match="column tokens: items of 1 bytes"):
-        fast.commit(seq, 4, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+        _fast_commit(fast, trie, seq, 4)
 
 
 @needs_native
@@ -1585,10 +1590,7 @@ def test_an_events_on_commit_names_a_malformed_state_column(
     from cache.validation import U32
 
     assert NATIVE is not None
-    monkeypatch.delenv(native.ENV, raising=False)
-    trie: Any = BlockTrie(
-        CacheConfig(block_size=2, num_blocks=8, backend="native", enable_events=True)
-    )
+    trie: Any = _tiny(monkeypatch, "native", enable_events=True)
     nodes = trie._nodes
     right = nodes.state
     nodes.state = array("h", bytes(2 * len(right)))  # seen by the kernel made now only
@@ -1600,7 +1602,7 @@ def test_an_events_on_commit_names_a_malformed_state_column(
     seq = trie.match([3, 3, 9])
     trie.allocate(seq, 3)
     with pytest.raises(ValueError, match="column state: items of 1 bytes"):
-        fast.commit(seq, 2, trie, trie._live, trie._evictor, trie._attach, trie._block_pins)
+        _fast_commit(fast, trie, seq, 2)
 
 
 def test_both_cores_build_one_key_per_full_block_at_match(
