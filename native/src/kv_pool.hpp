@@ -9,12 +9,10 @@
 
 namespace blocktrie {
 
-// A block id as an index into `refs`: -1 (NO_BLOCK) reads the guard entry past the
-// last block, which stays 0, so it is refused as a free block; any other id outside
-// the pool, below -1 included, is refused too (-1 returned): no negative id counts
-// against a block from the pool's end.
+// A block id as an index into `refs`, or -1 (refused) for any id outside the pool:
+// a negative one (NO_BLOCK included: no negative id counts against a block from the
+// pool's end) or one past its last entry.
 inline int64_t slot(int32_t block, size_t n) {
-    if (block == -1) return n > 0 ? static_cast<int64_t>(n) - 1 : -1;
     return (block < 0 || static_cast<size_t>(block) >= n) ? -1 : block;
 }
 
