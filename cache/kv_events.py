@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cache.block_hash import MASK64
-from cache.event_log import EventRecords, StoredRun, built_events, plain_extra_keys
+from cache.event_log import EventRecords, StoredRun, built_events, plain_extra_keys, run_hashes
 from cache.events import (
     KIND_FULL_ATTENTION,
     KV_GROUP,
@@ -330,9 +330,10 @@ def _fast_wire(items: list[Event | StoredRun], arrays: list[bytes], legacy: bool
     append = wire.append
     for e in items:
         if type(e) is tuple:  # a stored run: the fields of the event it builds
-            parent, hashes, _, _, size, namespace = e
+            parent, packed, _, blocks, size, namespace = e
+            hashes: Sequence[int] = run_hashes(packed)
             tokens: object = msgspec.Raw(next(raw))
-            extra = plain_extra_keys(namespace, len(hashes))
+            extra = plain_extra_keys(namespace, len(blocks))
             medium, group, kind, lora = MEDIUM_GPU, KV_GROUP, KIND_FULL_ATTENTION, None
         elif type(e) is BlockStored:
             hashes, _, parent, ids, size, namespace, medium, group, kind, extra, lora = e

@@ -41,14 +41,16 @@ errors (a port in use) are raised by the constructor as `zmq.ZMQError`, as
 
 Frame (msgpack): ``[seq, ts, items]``, the drained records as they are: a
 commit's stored blocks as its recorded run (``[parent_hash, hashes, tokens,
-block_ids, block_size, namespace]``, `tokens` the blocks' uint32 key bytes,
-joined), a `BlockRemoved` as its five fields (``[hashes, block_ids, namespace,
-medium, group_idx]``), and any other event (rare: host-tier moves, checkpoints,
-clears) as its pickle (a msgpack bin). Nothing is rebuilt per record: packing a
-batch costs the engine one check of its records' types and msgspec's copy of
-them (rebuilding each record as a tagged list cost as much again). Hashes are
-sent as they are, or as their low 64 bits (what the wire carries) when one is
-wider (a `vllm` digest). A commit whose keys are not plain uint32 blocks (an
+block_ids, block_size, namespace]``, `hashes` the native-order uint64 bytes of
+`cache.event_log.packed_hashes` (the child runs on the same machine), `tokens`
+the blocks' uint32 key bytes, joined), a `BlockRemoved` as its five fields
+(``[hashes, block_ids, namespace, medium, group_idx]``), and any other event
+(rare: host-tier moves, checkpoints, clears) as its pickle (a msgpack bin).
+Nothing is rebuilt per record: packing a batch costs the engine one check of
+its records' types and msgspec's copy of them, encoded in place behind the
+frame's length (rebuilding each record as a tagged list cost as much again).
+Hashes are sent as they are, or as their low 64 bits (what the wire carries)
+when one is wider (a `vllm` digest). A commit whose keys are not plain uint32 blocks (an
 extra identity, 64-bit ids) was built by the commit itself (`cache.event_log`)
 and is pickled.
 """
@@ -118,10 +120,12 @@ def _masked(items: list[Any]) -> list[Any]:
     (`vllm` digests)."""
     out: list[Any] = []
     for x in items:
-        if type(x) is tuple:  # a stored run
+        if type(x) is tuple:  # a stored run (its hashes a list: digests, not packed)
             parent, hashes, *rest = x
             parent = None if parent is None else parent & _MASK
-            x = (parent, [h & _MASK for h in hashes], *rest)
+            if type(hashes) is list:
+                hashes = [h & _MASK for h in hashes]
+            x = (parent, hashes, *rest)
         elif type(x) is BlockRemoved:
             x = x._replace(block_hashes=tuple(h & _MASK for h in x.block_hashes))
         out.append(x)
@@ -132,14 +136,23 @@ def encode_frame(
     batch: EventRecords | Sequence[Event], *, seq: int, ts: float | None = None
 ) -> bytes:
     """The frame the engine's process sends for one batch (see the module docstring)."""
+    return bytes(memoryview(_framed(batch, seq, ts))[_HEADER:])
+
+
+def _framed(batch: EventRecords | Sequence[Event], seq: int, ts: float | None) -> bytearray:
+    """A batch's frame behind its length (`_HEADER` bytes): what goes down the pipe,
+    encoded in place behind the header (no second copy of the frame to prefix it)."""
     items = batch.items if isinstance(batch, EventRecords) else batch
     if not _PLAIN.issuperset(map(type, items)):
         items = _pickled(items)
     stamp = time.time() if ts is None else float(ts)
+    out = bytearray(_HEADER)
     try:
-        return _encoder.encode((seq, stamp, items))
-    except OverflowError:  # a `vllm` 256-bit digest
-        return _encoder.encode((seq, stamp, _masked(list(items))))
+        _encoder.encode_into((seq, stamp, items), out, _HEADER)
+    except OverflowError:  # a `vllm` 256-bit digest (`encode_into` resizes `out` again)
+        _encoder.encode_into((seq, stamp, _masked(list(items))), out, _HEADER)
+    out[:_HEADER] = (len(out) - _HEADER).to_bytes(_HEADER, "little")
+    return out
 
 
 def decode_frame(frame: bytes) -> tuple[int, float, list[Event]]:
@@ -312,8 +325,7 @@ class ProcessEventPublisher:
         self._next_seq += 1
         try:
             self._flush()  # what waits for room goes first
-            frame = encode_frame(batch, seq=seq, ts=ts)
-            if self._send(len(frame).to_bytes(_HEADER, "little") + frame, len(batch)):
+            if self._send(_framed(batch, seq, ts), len(batch)):
                 return True
         except BrokenPipeError:  # the child has exited: its end of the pipe is closed
             self._dropped(seq, len(batch), exited=self._proc)
@@ -321,7 +333,7 @@ class ProcessEventPublisher:
         self._dropped(seq, len(batch), exited=None)
         return False
 
-    def _send(self, data: bytes, events: int) -> bool:
+    def _send(self, data: bytearray, events: int) -> bool:
         """Write a frame, or keep it (or the rest of it) for later; False when the
         frames waiting for room are already `queue_batches`."""
         if not self._backlog:

@@ -700,8 +700,12 @@ class BlockTrie(TrieCounts):
         drain changes what `check()` compares (invariant 10): the block set every
         recorded event replays to, drained or not, against the cached blocks.
         """
-        with Exclusive(self._gate, "drain_event_records()"):
+        if not self._gate.acquire(False):  # the inline gate: a publisher drains per batch
+            raise concurrent_use("drain_event_records()")
+        try:
             return self._events.drain_records()
+        finally:
+            self._gate.release()
 
     # ------------------------------------------------------------ inspection
 

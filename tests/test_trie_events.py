@@ -83,6 +83,36 @@ def test_a_commit_chains_its_new_blocks_from_the_last_block_it_shares(scheme: st
     assert hashes[0] == hashes[1]
 
 
+@pytest.mark.parametrize("scheme", ["xxh3", "vllm"])
+def test_a_stored_run_holds_its_hashes_packed_when_each_fits_64_bits(scheme: str) -> None:
+    """A commit's record (`drain_event_records`) holds its blocks' hashes as one `bytes`
+    of native uint64s (`packed_hashes`: no `int` per block) when each fits in 64
+    bits, as every `xxh3` chain value does; a run of `vllm` digests keeps its ints.
+    Either way `run_hashes` gives the chain's hashes, which the built event carries."""
+    from array import array
+
+    from cache.event_log import packed_hashes, run_hashes
+
+    trie = kv_trie(num_blocks=16, block_hash=scheme)
+    serve(trie, [1, 2, 3, 4, 5, 6, 7, 8])
+    serve(trie, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    records = trie.drain_event_records()
+    runs = [item for item in records.items if type(item) is tuple]
+    hasher = BlockHasher(scheme)
+    one = hasher.chain(hasher.root(""), (1, 2, 3, 4))
+    two = hasher.chain(one, (5, 6, 7, 8))
+    three = hasher.chain(two, (9, 10, 11, 12))
+    assert [run_hashes(run[1]) for run in runs] == [[one, two], [three]]
+    if scheme == "xxh3":
+        packed = [array("Q", [one, two]).tobytes(), array("Q", [three]).tobytes()]
+        assert [run[1] for run in runs] == packed
+    else:
+        assert [run[1] for run in runs] == [[one, two], [three]]
+    assert [e.block_hashes for e in records.events()] == [(one, two), (three,)]
+    assert packed_hashes([]) == b"" and run_hashes(b"") == []
+    assert packed_hashes([1 << 64]) == [1 << 64]  # past 64 bits: the list itself
+
+
 def test_vllm_block_hashes_carry_the_namespace_as_the_lora_name_in_every_block() -> None:
     """Under vLLM's scheme the namespace is each block's LoRA name: it is hashed
     into every block's extra keys, not only into the root's seed."""

@@ -30,8 +30,12 @@ public:
           owner_(std::move(owner)), sequence_type_(std::move(sequence_type)),
           typecode_(std::move(typecode)), width_(nb::cast<size_t>(table_.attr(BT_NAME("width")))),
           block_size_(block_size), cached_code_(cached_code) {
-        if (!events_.is_none() && xxh3_ == nullptr) {
-            throw std::invalid_argument("FastAttach: events on need the xxh3 function");
+        if (!events_.is_none()) {
+            if (xxh3_ == nullptr) throw std::invalid_argument("FastAttach: events on need the xxh3 function");
+            // Objects the trie keeps for its life (the column grows in place), read once
+            block_hash_ = table_.attr(BT_NAME("block_hash"));
+            lora_ids_ = events_.attr(BT_NAME("lora_ids"));
+            gpu_view_ = events_.attr(BT_NAME("_gpu_view"));
         }
     }
 
@@ -183,8 +187,7 @@ private:
         std::vector<uint64_t> hashes;
         uint64_t parent_hash = 0;
         if (!events_.is_none()) {
-            nb::object column = table_.attr(BT_NAME("block_hash"));
-            Column<uint64_t> block_hash(column, "block_hash");
+            Column<uint64_t> block_hash(block_hash_, "block_hash");
             parent_hash = block_hash[static_cast<size_t>(parent)];
             uint64_t h = parent_hash;
             for (size_t i = start; i < stop; ++i) {
@@ -227,46 +230,53 @@ private:
         if (!extended.is_valid()) throw nb::python_error();
         if (events_.is_none()) return;
         // The nodes' hashes, then what `Attach.commit` records: the pins' index ([R66])
-        // and the stored run (`EventLog.stored`)
-        nb::object hash_list = nb::steal(PyList_New(static_cast<Py_ssize_t>(hashes.size())));
-        if (!hash_list.is_valid()) throw nb::python_error();
+        // and the stored run (`EventLog.stored`), whose hashes are one `bytes` of native
+        // uint64s (`cache.event_log.packed_hashes`): no `int` per block unless the pins
+        // index them
+        nb::object packed = nb::steal(PyBytes_FromStringAndSize(
+            reinterpret_cast<const char*>(hashes.data()), static_cast<Py_ssize_t>(hashes.size() * sizeof(uint64_t))));
+        if (!packed.is_valid()) throw nb::python_error();
         bool under_root;
         {
-            nb::object column = table_.attr(BT_NAME("block_hash"));
-            Column<uint64_t> block_hash(column, "block_hash");
+            Column<uint64_t> block_hash(block_hash_, "block_hash");
             Column<uint8_t> state(state_, "state");
             for (size_t j = 0; j < hashes.size(); ++j) {
                 const long row = PyLong_AsLong(PyList_GET_ITEM(rows.ptr(), static_cast<Py_ssize_t>(j)));
                 block_hash[static_cast<size_t>(row)] = hashes[j];
-                PyObject* h = PyLong_FromUnsignedLongLong(hashes[j]);
-                if (h == nullptr) throw nb::python_error();
-                PyList_SET_ITEM(hash_list.ptr(), static_cast<Py_ssize_t>(j), h);
             }
             under_root = state[static_cast<size_t>(parent)] == s.root;
         }
         nb::object space = seq.attr(BT_NAME("namespace"));
-        if (nb::cast<bool>(block_pins.attr(BT_NAME("indexing")))) block_pins.attr(BT_NAME("added"))(space, hash_list, rows);
+        if (nb::cast<bool>(block_pins.attr(BT_NAME("indexing")))) {
+            nb::object hash_list = nb::steal(PyList_New(static_cast<Py_ssize_t>(hashes.size())));
+            if (!hash_list.is_valid()) throw nb::python_error();
+            for (size_t j = 0; j < hashes.size(); ++j) {
+                PyObject* h = PyLong_FromUnsignedLongLong(hashes[j]);
+                if (h == nullptr) throw nb::python_error();
+                PyList_SET_ITEM(hash_list.ptr(), static_cast<Py_ssize_t>(j), h);
+            }
+            block_pins.attr(BT_NAME("added"))(space, hash_list, rows);
+        }
         nb::object parent_hash_obj = under_root ? nb::none() : nb::object(nb::int_(parent_hash));
-        record_stored(parent_hash_obj, hash_list, keys, blocks_obj, start, stop, space);
+        record_stored(parent_hash_obj, packed, keys, blocks_obj, start, stop, space);
     }
 
     // [R61] `EventLog.stored` for a chain of plain keys (every key here is: the chain
-    // was attached), recording what it records: the stored run `(parent hash, hashes,
-    // the keys' bytes joined, the blocks, the block size, the namespace)` appended to
+    // was attached), recording what it records: the stored run `(parent hash, hashes
+    // packed, the keys' bytes joined, the blocks, the block size, the namespace)` appended to
     // the log, and its blocks added to the log's replay bitmap (`BlockBitmap.update`).
     // A namespace with a bound LoRA id (an event built now) is the Python `stored`'s,
     // a block past the bitmap's bytes the Python `update`'s.
-    void record_stored(nb::handle parent_hash, nb::handle hash_list, nb::handle keys, nb::handle blocks_obj,
+    void record_stored(nb::handle parent_hash, nb::handle packed, nb::handle keys, nb::handle blocks_obj,
                        size_t start, size_t stop, nb::handle space) {
         if (!PyObject_IsTrue(events_.attr(BT_NAME("enabled")).ptr())) return;  // muted
-        nb::object lora_ids = events_.attr(BT_NAME("lora_ids"));
         int bound = 1;  // not a dict: the Python `stored` decides
-        if (PyDict_CheckExact(lora_ids.ptr())) {
-            bound = PyDict_GET_SIZE(lora_ids.ptr()) == 0 ? 0 : PyDict_Contains(lora_ids.ptr(), space.ptr());
+        if (PyDict_CheckExact(lora_ids_.ptr())) {
+            bound = PyDict_GET_SIZE(lora_ids_.ptr()) == 0 ? 0 : PyDict_Contains(lora_ids_.ptr(), space.ptr());
             if (bound < 0) throw nb::python_error();
         }
         if (bound) {
-            events_.attr(BT_NAME("stored"))(parent_hash, hash_list, keys, blocks_obj, start, stop, block_size_, space);
+            events_.attr(BT_NAME("stored"))(parent_hash, packed, keys, blocks_obj, start, stop, block_size_, space);
             return;
         }
         const size_t count = stop - start;
@@ -280,11 +290,10 @@ private:
         nb::object stored = nb::steal(PyList_GetSlice(blocks_obj.ptr(), static_cast<Py_ssize_t>(start),
                                                       static_cast<Py_ssize_t>(stop)));
         if (!stored.is_valid()) throw nb::python_error();
-        nb::object run = nb::make_tuple(parent_hash, hash_list, tokens, stored, nb::int_(block_size_), space);
+        nb::object run = nb::make_tuple(parent_hash, packed, tokens, stored, nb::int_(block_size_), space);
         nb::object log = events_.attr(BT_NAME("_events"));
         if (!PyList_CheckExact(log.ptr())) throw std::logic_error("commit: the event log's records are not a list");
-        nb::object view = events_.attr(BT_NAME("_gpu_view"));
-        nb::object bits = view.attr(BT_NAME("_bits"));
+        nb::object bits = gpu_view_.attr(BT_NAME("_bits"));
         bool inside = PyByteArray_CheckExact(bits.ptr());
         const size_t size = inside ? static_cast<size_t>(PyByteArray_GET_SIZE(bits.ptr())) : 0;
         for (size_t j = 0; inside && j < count; ++j) {
@@ -293,7 +302,7 @@ private:
         }
         if (PyList_Append(log.ptr(), run.ptr()) != 0) throw nb::python_error();
         if (!inside) {
-            view.attr(BT_NAME("update"))(stored);
+            gpu_view_.attr(BT_NAME("update"))(stored);
             return;
         }
         char* set = PyByteArray_AS_STRING(bits.ptr());
@@ -303,6 +312,8 @@ private:
     }
 
     nb::object events_;  // the trie's `EventLog` with events on, else None
+    nb::object block_hash_, lora_ids_, gpu_view_;  // with events on: its table's hash column, its bound
+                                                   // LoRA ids, its replay bitmap
     Xxh3WithSeed xxh3_;
     nb::object table_, child_, tokens_, block_, state_, tick_, kids_, wide_, refs_, free_, owner_;
     nb::object sequence_type_, typecode_;
