@@ -823,6 +823,25 @@ def test_a_commit_refuses_a_cached_node_without_a_block(monkeypatch: pytest.Monk
         trie.commit(second, 4)
 
 
+@needs_native
+def test_a_commit_names_a_corrupted_kids_dict_or_event_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tries corrupted on purpose: a root (which always keeps its children in a `kids`
+    dict) with none, and an event log whose records are not a list. The native commit
+    names what is wrong instead of failing inside a C-API call."""
+    trie: Any = _tiny(monkeypatch, "native", enable_events=True)
+    _one_cached_block(trie)
+    seq = trie.match([5, 5, 1])
+    trie.allocate(seq, 3)
+    root = trie._roots[""]
+    kids = trie._nodes.kids.pop(root)
+    with pytest.raises(RuntimeError, match="a node with many children has no kids dict"):
+        trie.commit(seq, 2)
+    trie._nodes.kids[root] = kids
+    trie._events._events = ()
+    with pytest.raises(RuntimeError, match="the event log's records are not a list"):
+        trie.commit(seq, 2)
+
+
 def test_eviction_derives_what_the_settled_memo_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     """With `eviction._SETTLED` empty (a fresh process), each parent an eviction frees
     into settles through `Evictor._implied`, which derives its state from the spec;
@@ -1377,9 +1396,9 @@ def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
 
 
 @needs_native
-def test_pool_kernels_refuse_every_negative_block_but_the_guard() -> None:
-    """Only -1 (`NO_BLOCK`) reads the pool's guard entry; any other negative id is
-    outside the pool and refused, never counted against a block from the end."""
+def test_pool_kernels_refuse_every_negative_block() -> None:
+    """Every negative id, -1 (`NO_BLOCK`) included, is outside the pool and refused,
+    never counted against a block from the end (nor against the guard entry)."""
     from array import array
 
     assert NATIVE is not None
@@ -1408,6 +1427,10 @@ def test_take_refuses_a_free_block_outside_the_pool() -> None:
     assert list(one_past) == [0, 2]
     assert (refs, list(free)) == ([0, 0], [0, 3])
     assert NATIVE.take(refs, array("i", [0, 1]), 2) == [1, 0]
+    below_top = array("i", [3, 0])  # the bad block second: every block taken is checked
+    with pytest.raises(IndexError, match="take: a free block outside the pool"):
+        NATIVE.take(refs, below_top, 2)
+    assert (refs, list(below_top)) == ([1, 1], [3, 0])
 
 
 @needs_native
