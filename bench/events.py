@@ -50,6 +50,15 @@ published batch, as an engine draining events once per step would):
   blocktrie sums the parts measured alone (it misses the commit-side
   bookkeeping the end-to-end figure includes), and
   ``events_over_dict_insert`` the same over ``dict_insert``.
+
+``separate_cores`` (``--separate-cores``) pins the encoder process to one core
+and this thread to another for the encoder-process rounds (Linux, two cores or
+more; ``cores`` in the result says which, None when it could not), giving the
+thread its cores back after each. Unpinned on a 2-core machine, the encoder-process ratios are
+bimodal for any build (e.g. +0.28x-+0.30x in most runs, +0.47x in others, for
+the same code): the scheduler moving the engine between the cores the encoder
+also wakes on costs the engine cache refills. Pinned either way round, runs of
+one build agree within 0.02x (docs/events.md, "Cost").
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -78,6 +88,12 @@ def _chains(n: int, chain_blocks: int, block_size: int, seed: int) -> list[list[
     return [[rng.randrange(32_000) for _ in range(chain_blocks * block_size)] for _ in range(n)]
 
 
+def _own_cores() -> set[int] | None:
+    """The cores this process may run on (None where the OS does not say)."""
+    getter = getattr(os, "sched_getaffinity", None)
+    return None if getter is None else set(getter(0))
+
+
 def _best(fn: Callable[[], int], repeat: int) -> int:
     """Best of `repeat` runs of `fn` (which returns elapsed ns)."""
     if repeat < 1:
@@ -96,6 +112,7 @@ def bench_events(
     commits_per_batch: int = 8,
     repeat: int = 5,
     seed: int = 0,
+    separate_cores: bool = False,
 ) -> dict[str, Any]:
     """Run the measurements above; returns ns per block and ratios (see module docstring)."""
     from cache import BlockTrie, CacheConfig
@@ -204,13 +221,29 @@ def bench_events(
     out["dict_insert"] = _best(dict_insert, repeat) / n_blocks
     in_thread: list[tuple[int, ...]] = []
     in_process: list[tuple[int, ...]] = []
+    mine = _own_cores()
+    out["cores"] = None
     with ProcessEventPublisher("tcp://127.0.0.1:*", queue_batches=chains + 1) as process:
+        engine = None
+        everywhere: set[int] = set()  # this thread's cores, given back after each round
+        if separate_cores and mine is not None and len(mine) >= 2:
+            everywhere = mine
+            engine, encoder = sorted(mine)[:2]
+            os.sched_setaffinity(process._proc.pid, {encoder})
+            out["cores"] = [engine, encoder]
         for _ in range(repeat):
             gc.collect()
             with KVEventPublisher("tcp://127.0.0.1:*", queue_batches=chains + 1) as publisher:
                 in_thread.append(paired(publisher))
             gc.collect()
-            in_process.append(paired(process))
+            if engine is None:
+                in_process.append(paired(process))
+                continue
+            os.sched_setaffinity(0, {engine})  # this thread, for the encoder-process round
+            try:
+                in_process.append(paired(process))
+            finally:
+                os.sched_setaffinity(0, everywhere)
 
     def added(rounds: list[tuple[int, ...]], at: int) -> float:
         """Median over rounds of on / off - 1 (`at` 0: wall time, 2: this process's
@@ -341,6 +374,11 @@ def print_events(r: dict[str, Any], emit: Callable[[str], object] = print) -> No
         f"KVEventPublisher, +{r['events_process_cpu_over_blocktrie']:.2f}x with "
         "ProcessEventPublisher (its encoder process's CPU not counted); "
         f"with the encoder process's: +{r['events_process_total_cpu_over_blocktrie']:.2f}x"
+        + (
+            ""
+            if r["cores"] is None
+            else f" (engine on core {r['cores'][0]}, encoder on {r['cores'][1]})"
+        )
     )
     emit(
         f"  the engine thread's CPU: +{r['events_thread_over_blocktrie']:.2f}x with "
@@ -361,8 +399,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commits-per-batch", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--separate-cores",
+        action="store_true",
+        help="the engine and the encoder process on cores of their own (see the module doc)",
+    )
     a = p.parse_args(argv)
-    r = bench_events(a.chains, a.chain_blocks, a.block_size, a.commits_per_batch, a.repeat)
+    r = bench_events(
+        a.chains,
+        a.chain_blocks,
+        a.block_size,
+        a.commits_per_batch,
+        a.repeat,
+        separate_cores=a.separate_cores,
+    )
     print_events(r)
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))

@@ -52,5 +52,29 @@ def test_bench_events_small() -> None:
     assert any("events on costs" in line for line in lines)
     assert any("engine process's CPU" in line and "encoder process's" in line for line in lines)
     assert any("engine thread's CPU" in line for line in lines)
+    assert r["cores"] is None  # not asked to pin
     with pytest.raises(ValueError, match="repeat"):
         bench_events(chains=1, chain_blocks=1, block_size=1, repeat=0)
+
+
+def test_bench_events_on_separate_cores_gives_the_cores_back() -> None:
+    """`separate_cores`: the engine thread on one core and the encoder process on
+    another for the encoder-process rounds (where there are two), then the thread's
+    cores as they were."""
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    before = os.sched_getaffinity(0)
+    r = bench_events(
+        chains=8, chain_blocks=2, block_size=4, commits_per_batch=4, repeat=1, separate_cores=True
+    )
+    assert os.sched_getaffinity(0) == before
+    if len(before) < 2:
+        assert r["cores"] is None
+    else:
+        assert r["cores"] == sorted(before)[:2]
+        lines: list[str] = []
+        print_events(r, lines.append)
+        engine, encoder = r["cores"]
+        assert any(f"engine on core {engine}, encoder on {encoder}" in line for line in lines)
