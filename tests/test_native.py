@@ -40,7 +40,7 @@ from hypothesis.stateful import (
 import cache.native as native
 from cache import BlockTrie, CacheConfig, Sequence, eviction
 from cache.lru import LRUIndex
-from cache.node import NO_BLOCK, NO_NODE, state_code
+from cache.node import NO_BLOCK, NO_NODE, state_code, state_name
 from spec.errors import CacheError, ConfigError, InvalidArgument
 from spec.lifecycle import LIFECYCLES, NODE, NodeState, NodeTrigger
 from tests.helpers import serve
@@ -1395,6 +1395,99 @@ def test_the_native_commit_declines_keys_that_are_not_plain_bytes(
         assert trie.snapshot() == before and seq.num_committed_tokens == 0
 
 
+def test_a_commit_of_an_object_of_another_type_is_the_python_cores_to_refuse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`commit` of anything but a `Sequence` raises the Python core's `InvalidType` on
+    either core: the native commit declines every other type, whichever side of
+    `Sequence`'s type its type object lies in memory (builtins and fresh classes,
+    at least one below it and one above it)."""
+    from spec.errors import InvalidType
+
+    made = [type(f"Other{i}", (), {}) for i in range(64)]
+    kinds = [int, str, type(None), object, dict, list, *made]
+    below = [k for k in kinds if id(k) < id(Sequence)]
+    above = [k for k in kinds if id(k) > id(Sequence)]
+    assert below and above
+    for backend in BACKENDS:
+        trie = _tiny(monkeypatch, backend)
+        for kind in (below[0], below[-1], above[0], above[-1]):
+            other = kind() if kind is not type(None) else None
+            with pytest.raises(InvalidType, match="expected a Sequence"):
+                trie.commit(other, 2)  # type: ignore[arg-type]
+        assert trie.num_cached_blocks == 0
+
+
+def test_a_commit_inside_a_muted_event_log_records_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`EventLog.muted()` (what `clear()` evicts under) silences every record: a
+    commit made inside it records no stored run and marks no block in the replay
+    bitmap, on either core."""
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend, enable_events=True)
+        with trie._events.muted():
+            serve(trie, [1, 2, 3, 4, 5])
+        assert trie.num_cached_blocks == 2, backend
+        assert len(trie.drain_event_records()) == 0, backend
+        assert not any(trie._events._gpu_view._bits), backend
+
+
+def test_a_released_node_with_many_children_stays_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request whose path ends at a node with two children: its release drops that
+    node's last reference, and the node stays `cached` (not a leaf: never indexed
+    for eviction), on either core; eviction then frees the two leaves first."""
+    results = []
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend, num_blocks=8)
+        serve(trie, [1, 1, 2, 2, 3, 3, 9])
+        serve(trie, [1, 1, 2, 2, 4, 4, 9])  # block (2, 2) now has two children
+        seq = trie.match([1, 1, 2, 2, 9])
+        trie.allocate(seq, 5)
+        trie.commit(seq, 4)
+        branch = seq.path[-1]
+        trie.release(seq)
+        trie.check()
+        assert state_name(trie._nodes.state[branch]) == "cached", backend
+        assert trie.evict(2) == 2
+        trie.check()
+        results.append((state_name(trie._nodes.state[branch]), trie.snapshot()))
+    assert all(result == results[0] for result in results)
+
+
+def test_an_evicted_row_reads_as_freed_with_no_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`NodeTable.release`'s contract, kept by the eviction that frees rows inline: a
+    freed row reads as `freed` with no parent until it is handed out again, on
+    either core."""
+    for backend in BACKENDS:
+        trie: Any = _tiny(monkeypatch, backend)
+        seq = trie.match([1, 1, 2, 2, 9])
+        trie.allocate(seq, 5)
+        trie.commit(seq, 4)
+        rows = list(seq.path)
+        trie.release(seq)
+        assert trie.evict(2) == 2
+        nodes = trie._nodes
+        assert [nodes.parent[row] for row in rows] == [NO_NODE, NO_NODE], backend
+        assert [state_name(nodes.state[row]) for row in rows] == ["freed", "freed"], backend
+        trie.check()
+
+
+@needs_native
+def test_take_refuses_more_blocks_than_are_free() -> None:
+    """`take` of more blocks than the free list holds (its caller checks first) is
+    refused before anything changes, never read past the list."""
+    from array import array
+
+    assert NATIVE is not None
+    refs, free = [0, 0, 0], array("i", [2, 1])
+    with pytest.raises(ValueError, match="take: not enough free blocks"):
+        NATIVE.take(refs, free, 3)
+    assert (refs, list(free)) == ([0, 0, 0], [2, 1])
+
+
 @needs_native
 def test_pool_kernels_refuse_every_negative_block() -> None:
     """Every negative id, -1 (`NO_BLOCK`) included, is outside the pool and refused,
@@ -1434,31 +1527,33 @@ def test_take_refuses_a_free_block_outside_the_pool() -> None:
 
 
 @needs_native
-def test_the_native_release_names_a_malformed_state_column(
+def test_the_native_release_names_a_malformed_state_or_child_column(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`FastTrie` keeps the columns it was made with; one whose state column has the
+    """`FastTrie` keeps the columns it was made with; a state or child column of the
     wrong item size (the Python core never makes one) is refused by the release's
     settle naming that column."""
     from array import array
     from types import SimpleNamespace
 
     assert NATIVE is not None
-    trie: Any = _tiny(monkeypatch, "native")
-    nodes = trie._nodes
-    table = SimpleNamespace(
-        child=nodes.child, block=nodes.block, state=array("h", [0] * len(nodes.state)),
-        tick=nodes.tick, serial=nodes.serial, checkpoint=nodes.checkpoint,
-    )  # fmt: skip
-    trie._fast = NATIVE.FastTrie(
-        table, trie._kv.refs, trie._kv._free, Sequence, eviction._SETTLED, trie.faults,
-        trie._kv._fault_point, 2,
-    )  # fmt: skip
-    seq = trie.match([0, 0, 1])
-    trie.allocate(seq, 3)
-    trie.commit(seq, 2)
-    with pytest.raises(ValueError, match="column state: items of 1 bytes"):
-        trie.release(seq)
+    for name, right_size in (("state", 1), ("child", 4)):
+        trie: Any = _tiny(monkeypatch, "native")
+        nodes = trie._nodes
+        columns = {
+            "child": nodes.child, "block": nodes.block, "state": nodes.state,
+            "tick": nodes.tick, "serial": nodes.serial, "checkpoint": nodes.checkpoint,
+        }  # fmt: skip
+        columns[name] = array("h", [0] * len(columns[name]))
+        trie._fast = NATIVE.FastTrie(
+            SimpleNamespace(**columns), trie._kv.refs, trie._kv._free, Sequence,
+            eviction._SETTLED, trie.faults, trie._kv._fault_point, 2,
+        )  # fmt: skip
+        seq = trie.match([0, 0, 1])
+        trie.allocate(seq, 3)
+        trie.commit(seq, 2)
+        with pytest.raises(ValueError, match=f"column {name}: items of {right_size} bytes"):
+            trie.release(seq)
 
 
 def test_a_stored_run_is_recorded_alike_by_both_cores(monkeypatch: pytest.MonkeyPatch) -> None:
